@@ -1,0 +1,344 @@
+//! `refusion convert`: a Hugging Face Qwen3/ReFusion folder to one llama.cpp `qwen3` GGUF.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use crate::decoding::DecodingDefaults;
+use crate::error::{Error, Result};
+use crate::gguf::{FileType, TensorSpec, Value};
+use crate::hf::config::Qwen3Config;
+use crate::hf::tokenizer::GgufVocab;
+use crate::hf::weights::{SourceTensor, Weights};
+use crate::mix::{tensor_type, MixOptions, ModelShape};
+use crate::names;
+use crate::pipeline::{write_gguf, Job, RowSource, Summary, Verbosity};
+
+#[derive(Debug, Clone)]
+pub struct ConvertOptions {
+    pub outtype: FileType,
+    pub mix: MixOptions,
+    /// `general.name`; defaults to the checkpoint folder's name.
+    pub name: Option<String>,
+    pub decoding: DecodingDefaults,
+    pub verbosity: Verbosity,
+}
+
+impl Default for ConvertOptions {
+    fn default() -> Self {
+        ConvertOptions {
+            outtype: FileType::Q4_K_M,
+            mix: MixOptions::default(),
+            name: None,
+            decoding: DecodingDefaults::default(),
+            verbosity: Verbosity::Normal,
+        }
+    }
+}
+
+struct SafetensorsRows<'a> {
+    weights: &'a Weights,
+    tensor: &'a SourceTensor,
+    row_len: usize,
+}
+
+impl RowSource for SafetensorsRows<'_> {
+    fn read_rows(&self, first: usize, count: usize, out: &mut [f32]) {
+        self.weights
+            .read_rows(self.tensor, self.row_len, first, count, out);
+    }
+    fn input_bytes(&self) -> u64 {
+        self.tensor.len as u64
+    }
+    fn release(&self) {
+        self.weights.release(self.tensor);
+    }
+    fn origin(&self) -> String {
+        self.weights.path_of(self.tensor).display().to_string()
+    }
+    fn input_type(&self) -> String {
+        format!("{:?}", self.tensor.dtype).to_lowercase()
+    }
+}
+
+/// The expected (HF name, GGUF name, PyTorch shape) of every tensor of the model.
+fn expected_tensors(cfg: &Qwen3Config) -> Vec<(String, String, Vec<u64>)> {
+    let (h, v, ff) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
+    let q = cfg.num_attention_heads * cfg.head_dim;
+    let kv = cfg.num_key_value_heads * cfg.head_dim;
+    let mut out = vec![(
+        names::EMBED.0.to_string(),
+        names::EMBED.1.to_string(),
+        vec![v, h],
+    )];
+    for layer in 0..cfg.num_hidden_layers {
+        for (hf, gg) in names::LAYER_TENSORS {
+            let shape = match gg {
+                "attn_norm.weight" | "ffn_norm.weight" => vec![h],
+                "attn_q.weight" => vec![q, h],
+                "attn_k.weight" | "attn_v.weight" => vec![kv, h],
+                "attn_output.weight" => vec![h, q],
+                "attn_q_norm.weight" | "attn_k_norm.weight" => vec![cfg.head_dim],
+                "ffn_gate.weight" | "ffn_up.weight" => vec![ff, h],
+                "ffn_down.weight" => vec![h, ff],
+                other => unreachable!("unlisted layer tensor {other}"),
+            };
+            out.push((
+                format!("model.layers.{layer}.{hf}"),
+                format!("blk.{layer}.{gg}"),
+                shape,
+            ));
+        }
+    }
+    out.push((
+        names::FINAL_NORM.0.to_string(),
+        names::FINAL_NORM.1.to_string(),
+        vec![h],
+    ));
+    if !cfg.tie_word_embeddings {
+        out.push((
+            names::LM_HEAD.0.to_string(),
+            names::LM_HEAD.1.to_string(),
+            vec![v, h],
+        ));
+    }
+    out
+}
+
+fn u32_of(what: &str, v: u64) -> Result<Value> {
+    u32::try_from(v)
+        .map(Value::U32)
+        .map_err(|_| Error::usage(format!("{what} {v} does not fit in 32 bits")))
+}
+
+/// Metadata in the order it is written.
+fn metadata(
+    cfg: &Qwen3Config,
+    vocab: &GgufVocab,
+    name: &str,
+    opts: &ConvertOptions,
+) -> Result<Vec<(String, Value)>> {
+    let mut md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String("qwen3".into())),
+        ("general.type".into(), Value::String("model".into())),
+        ("general.name".into(), Value::String(name.to_string())),
+        ("general.file_type".into(), Value::U32(opts.outtype.code())),
+        ("general.quantization_version".into(), Value::U32(2)),
+        (
+            "qwen3.block_count".into(),
+            u32_of("num_hidden_layers", cfg.num_hidden_layers)?,
+        ),
+        (
+            "qwen3.context_length".into(),
+            u32_of("max_position_embeddings", cfg.max_position_embeddings)?,
+        ),
+        (
+            "qwen3.embedding_length".into(),
+            u32_of("hidden_size", cfg.hidden_size)?,
+        ),
+        (
+            "qwen3.feed_forward_length".into(),
+            u32_of("intermediate_size", cfg.intermediate_size)?,
+        ),
+        (
+            "qwen3.attention.head_count".into(),
+            u32_of("num_attention_heads", cfg.num_attention_heads)?,
+        ),
+        (
+            "qwen3.attention.head_count_kv".into(),
+            u32_of("num_key_value_heads", cfg.num_key_value_heads)?,
+        ),
+        (
+            "qwen3.attention.key_length".into(),
+            u32_of("head_dim", cfg.head_dim)?,
+        ),
+        (
+            "qwen3.attention.value_length".into(),
+            u32_of("head_dim", cfg.head_dim)?,
+        ),
+        (
+            "qwen3.rope.freq_base".into(),
+            Value::F32(cfg.rope_theta as f32),
+        ),
+        (
+            "qwen3.attention.layer_norm_rms_epsilon".into(),
+            Value::F32(cfg.rms_norm_eps as f32),
+        ),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("qwen2".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::strings(vocab.tokens.iter().cloned()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::i32s(vocab.token_types.iter().copied()),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::strings(vocab.merges.iter().cloned()),
+        ),
+    ];
+    for (key, id) in [
+        ("tokenizer.ggml.eos_token_id", vocab.eos_id),
+        ("tokenizer.ggml.padding_token_id", vocab.pad_id),
+        ("tokenizer.ggml.bos_token_id", vocab.bos_id),
+        ("tokenizer.ggml.mask_token_id", vocab.mask_id),
+    ] {
+        if let Some(id) = id {
+            md.push((key.into(), u32_of(key, id)?));
+        }
+    }
+    md.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)));
+    if let Some(t) = &vocab.chat_template {
+        md.push(("tokenizer.chat_template".into(), Value::String(t.clone())));
+    }
+    md.extend(opts.decoding.to_metadata());
+    Ok(md)
+}
+
+/// What a conversion would write: tensors with their types, and the metadata.
+pub struct Plan<'a> {
+    pub jobs: Vec<Job<'a>>,
+    pub metadata: Vec<(String, Value)>,
+    pub warnings: Vec<String>,
+}
+
+/// Everything read from a checkpoint folder, kept alive while the plan borrows it.
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub config: Qwen3Config,
+    pub vocab: GgufVocab,
+    pub weights: Weights,
+}
+
+impl Checkpoint {
+    pub fn open(dir: &Path) -> Result<Checkpoint> {
+        if !dir.is_dir() {
+            return Err(Error::usage(format!(
+                "checkpoint folder '{}' does not exist",
+                dir.display()
+            )));
+        }
+        let config = Qwen3Config::load(dir)?;
+        let vocab = GgufVocab::load(dir, &config)?;
+        let weights = Weights::open(dir)?;
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            config,
+            vocab,
+            weights,
+        })
+    }
+
+    pub fn plan(&self, opts: &ConvertOptions) -> Result<Plan<'_>> {
+        opts.decoding.validate().map_err(Error::usage)?;
+        let cfg = &self.config;
+        let config_path = self.dir.join("config.json");
+        let expected = expected_tensors(cfg);
+        let shape = ModelShape {
+            n_layers: cfg.num_hidden_layers as usize,
+            n_gqa: cfg.num_attention_heads / cfg.num_key_value_heads,
+            has_output: !cfg.tie_word_embeddings,
+        };
+
+        let mut jobs = Vec::with_capacity(expected.len());
+        for (hf, gguf, want) in &expected {
+            let t = self.weights.tensors.get(hf).ok_or_else(|| {
+                Error::bad(
+                    &self.dir,
+                    format!("missing tensor '{hf}' (needed for {gguf})"),
+                )
+            })?;
+            if &t.shape != want {
+                return Err(Error::bad(
+                    self.weights.path_of(t),
+                    format!(
+                        "tensor '{hf}' has shape {:?} but {} implies {:?}",
+                        t.shape,
+                        config_path.display(),
+                        want
+                    ),
+                ));
+            }
+            let ne: Vec<u64> = want.iter().rev().copied().collect();
+            let (ty, note) = tensor_type(opts.outtype, gguf, &ne, &shape, &opts.mix);
+            let row_len = ne[0] as usize;
+            jobs.push(Job {
+                spec: TensorSpec {
+                    name: gguf.clone(),
+                    ne,
+                    ty,
+                },
+                source: Box::new(SafetensorsRows {
+                    weights: &self.weights,
+                    tensor: t,
+                    row_len,
+                }),
+                note,
+            });
+        }
+
+        let known: BTreeSet<&str> = expected.iter().map(|(hf, _, _)| hf.as_str()).collect();
+        let mut warnings = self.vocab.warnings.clone();
+        let mut unexpected = Vec::new();
+        for name in self.weights.tensors.keys() {
+            if known.contains(name.as_str()) || names::is_ignorable(name) {
+                continue;
+            }
+            if name == names::LM_HEAD.0 && cfg.tie_word_embeddings {
+                warnings
+                    .push("lm_head.weight present but tie_word_embeddings is true: ignored".into());
+                continue;
+            }
+            unexpected.push(name.clone());
+        }
+        if !unexpected.is_empty() {
+            let shown: Vec<_> = unexpected.iter().take(5).cloned().collect();
+            return Err(Error::bad(
+                &self.dir,
+                format!(
+                    "{} unexpected tensor(s) for a qwen3 model: {}{}",
+                    unexpected.len(),
+                    shown.join(", "),
+                    if unexpected.len() > 5 { ", ..." } else { "" }
+                ),
+            ));
+        }
+
+        let name = opts.name.clone().unwrap_or_else(|| {
+            self.dir
+                .canonicalize()
+                .ok()
+                .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .unwrap_or_else(|| "model".to_string())
+        });
+        let metadata = metadata(cfg, &self.vocab, &name, opts)?;
+        Ok(Plan {
+            jobs,
+            metadata,
+            warnings,
+        })
+    }
+}
+
+/// Converts the checkpoint in `dir` to `outfile`.
+pub fn convert(dir: &Path, outfile: &Path, opts: &ConvertOptions) -> Result<Summary> {
+    let ckpt = Checkpoint::open(dir)?;
+    let plan = ckpt.plan(opts)?;
+    if opts.verbosity == Verbosity::Normal {
+        for w in &plan.warnings {
+            eprintln!("warning: {w}");
+        }
+        eprintln!(
+            "converting {} ({} layers, hidden {}, vocab {}, tokenizer from {}) to {} as {}",
+            dir.display(),
+            ckpt.config.num_hidden_layers,
+            ckpt.config.hidden_size,
+            ckpt.config.vocab_size,
+            ckpt.vocab.source,
+            outfile.display(),
+            opts.outtype
+        );
+    }
+    write_gguf(outfile, &plan.metadata, plan.jobs, opts.verbosity)
+}

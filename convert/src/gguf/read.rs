@@ -1,0 +1,358 @@
+//! A validating GGUF reader over a memory map.
+//!
+//! Every count, length and offset read from the file is checked against the bytes that are
+//! actually there before anything is allocated, so a corrupt or hostile file is a clear error,
+//! never a huge allocation or a panic.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use super::{align_up, GgmlType, Value, ValueType, DEFAULT_ALIGNMENT, MAGIC};
+use crate::error::{Error, Result};
+
+/// Arrays nested deeper than this are refused (llama.cpp writes none).
+const MAX_ARRAY_DEPTH: usize = 4;
+const MAX_DIMS: u32 = 4;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorInfo {
+    pub name: String,
+    /// Dimensions in GGML order: `ne[0]` is the contiguous (row) dimension.
+    pub ne: Vec<u64>,
+    pub ty: GgmlType,
+    /// Offset of the data relative to the start of the data section.
+    pub offset: u64,
+    /// Size of the data in bytes.
+    pub n_bytes: u64,
+}
+
+impl TensorInfo {
+    pub fn n_elements(&self) -> u64 {
+        self.ne.iter().product()
+    }
+
+    /// Number of rows (all dimensions but the first).
+    pub fn n_rows(&self) -> u64 {
+        self.ne.iter().skip(1).product()
+    }
+}
+
+/// Everything before the tensor data: version, metadata in file order, tensor infos.
+#[derive(Debug, Clone)]
+pub struct GgufHeader {
+    pub version: u32,
+    pub metadata: Vec<(String, Value)>,
+    pub tensors: Vec<TensorInfo>,
+    pub alignment: u64,
+    /// Absolute offset of the data section.
+    pub data_offset: u64,
+}
+
+impl GgufHeader {
+    /// Parses and validates the header of a GGUF file held entirely in `bytes`.
+    pub fn parse(bytes: &[u8]) -> std::result::Result<GgufHeader, String> {
+        let mut r = Cursor { bytes, pos: 0 };
+        let magic = r
+            .take(4)
+            .map_err(|_| "file too short to be GGUF".to_string())?;
+        if magic != MAGIC {
+            return Err(format!(
+                "not a GGUF file (magic {:02x?}, expected \"GGUF\")",
+                magic
+            ));
+        }
+        let version = r.u32()?;
+        match version {
+            2 | 3 => {}
+            1 => {
+                return Err(
+                    "GGUF version 1 is not supported (convert it again with a current llama.cpp)"
+                        .into(),
+                )
+            }
+            v if v.swap_bytes() == 2 || v.swap_bytes() == 3 => {
+                return Err("big-endian GGUF files are not supported".into())
+            }
+            v => return Err(format!("unsupported GGUF version {v}")),
+        }
+        let n_tensors = r.u64()?;
+        let n_kv = r.u64()?;
+        // Each metadata entry takes at least 8 (key length) + 4 (type) + 1 bytes, each tensor
+        // info at least 8 + 4 + 8 + 4 + 8: bound the counts by the bytes left.
+        if n_kv > (r.remaining() / 13) as u64 {
+            return Err(format!(
+                "metadata count {n_kv} is larger than the file can hold"
+            ));
+        }
+        if n_tensors > (r.remaining() / 32) as u64 {
+            return Err(format!(
+                "tensor count {n_tensors} is larger than the file can hold"
+            ));
+        }
+
+        let mut metadata = Vec::with_capacity(n_kv as usize);
+        let mut keys = HashSet::new();
+        for i in 0..n_kv {
+            let key = r.string().map_err(|e| format!("metadata entry {i}: {e}"))?;
+            let ty = r.u32()?;
+            let ty = ValueType::from_id(ty)
+                .ok_or_else(|| format!("metadata key '{key}': unknown value type {ty}"))?;
+            let value = r
+                .value(ty, 0)
+                .map_err(|e| format!("metadata key '{key}': {e}"))?;
+            if !keys.insert(key.clone()) {
+                return Err(format!("metadata key '{key}' appears twice"));
+            }
+            metadata.push((key, value));
+        }
+
+        let alignment = match metadata.iter().find(|(k, _)| k == "general.alignment") {
+            None => DEFAULT_ALIGNMENT,
+            Some((_, v)) => match v {
+                Value::U32(a) if *a > 0 && a.is_power_of_two() => *a as u64,
+                other => {
+                    return Err(format!(
+                        "general.alignment must be a power-of-two u32, got {other}"
+                    ))
+                }
+            },
+        };
+
+        let mut tensors = Vec::with_capacity(n_tensors as usize);
+        let mut names = HashSet::new();
+        for i in 0..n_tensors {
+            let name = r.string().map_err(|e| format!("tensor info {i}: {e}"))?;
+            let n_dims = r.u32()?;
+            if n_dims == 0 || n_dims > MAX_DIMS {
+                return Err(format!(
+                    "tensor '{name}': {n_dims} dimensions (1 to {MAX_DIMS} allowed)"
+                ));
+            }
+            let mut ne = Vec::with_capacity(n_dims as usize);
+            for _ in 0..n_dims {
+                ne.push(r.u64()?);
+            }
+            let ty_id = r.u32()?;
+            let ty = GgmlType::from_id(ty_id)
+                .ok_or_else(|| format!("tensor '{name}': unsupported tensor type id {ty_id}"))?;
+            let offset = r.u64()?;
+            if ne.contains(&0) {
+                return Err(format!("tensor '{name}': a dimension is zero ({ne:?})"));
+            }
+            let n_elements = ne
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .ok_or_else(|| format!("tensor '{name}': element count overflows ({ne:?})"))?;
+            let row_bytes = ty.row_bytes(ne[0]).ok_or_else(|| {
+                format!(
+                    "tensor '{name}': row length {} is not a multiple of the {} block size {}",
+                    ne[0],
+                    ty,
+                    ty.block_size()
+                )
+            })?;
+            let n_bytes = row_bytes
+                .checked_mul(n_elements / ne[0])
+                .ok_or_else(|| format!("tensor '{name}': byte size overflows"))?;
+            if offset % alignment != 0 {
+                return Err(format!(
+                    "tensor '{name}': offset {offset} is not aligned to {alignment}"
+                ));
+            }
+            if !names.insert(name.clone()) {
+                return Err(format!("tensor '{name}' appears twice"));
+            }
+            tensors.push(TensorInfo {
+                name,
+                ne,
+                ty,
+                offset,
+                n_bytes,
+            });
+        }
+
+        let data_offset = align_up(r.pos as u64, alignment).ok_or("data offset overflows")?;
+        let data_len = (bytes.len() as u64).saturating_sub(data_offset);
+        if data_offset > bytes.len() as u64 && !tensors.is_empty() {
+            return Err("file ends before its tensor data section".into());
+        }
+        for t in &tensors {
+            let end = t
+                .offset
+                .checked_add(t.n_bytes)
+                .ok_or("tensor end overflows")?;
+            if end > data_len {
+                return Err(format!(
+                    "tensor '{}' ({} bytes at data offset {}) extends past the end of the file (truncated?)",
+                    t.name, t.n_bytes, t.offset
+                ));
+            }
+        }
+        let mut by_offset: Vec<&TensorInfo> = tensors.iter().collect();
+        by_offset.sort_by_key(|t| t.offset);
+        for w in by_offset.windows(2) {
+            if w[0].offset + w[0].n_bytes > w[1].offset {
+                return Err(format!(
+                    "tensors '{}' and '{}' overlap",
+                    w[0].name, w[1].name
+                ));
+            }
+        }
+
+        Ok(GgufHeader {
+            version,
+            metadata,
+            tensors,
+            alignment,
+            data_offset,
+        })
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.metadata.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+}
+
+/// A memory-mapped GGUF file with a validated header.
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub header: GgufHeader,
+    mmap: Mmap,
+}
+
+impl GgufFile {
+    pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
+        let path = path.as_ref();
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+        if len == 0 {
+            return Err(Error::bad(path, "file is empty"));
+        }
+        // SAFETY: the map is read-only; a file changed underneath us while mapped can only
+        // give wrong numbers (every offset was bounds-checked against the mapped length).
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let header = GgufHeader::parse(&mmap).map_err(|msg| Error::bad(path, msg))?;
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            header,
+            mmap,
+        })
+    }
+
+    /// The raw bytes of a tensor (bounds were checked when the header was parsed).
+    pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
+        let start = (self.header.data_offset + t.offset) as usize;
+        &self.mmap[start..start + t.n_bytes as usize]
+    }
+
+    pub fn file_len(&self) -> u64 {
+        self.mmap.len() as u64
+    }
+
+    /// Tells the kernel that the pages of this tensor are no longer needed, so that a
+    /// streaming pass over a large file does not keep it all resident.
+    pub fn release(&self, t: &TensorInfo) {
+        let start = (self.header.data_offset + t.offset) as usize;
+        crate::hf::release_pages(&self.mmap, start, t.n_bytes as usize);
+    }
+}
+
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn remaining(&self) -> usize {
+        self.bytes.len() - self.pos
+    }
+
+    fn take(&mut self, n: usize) -> std::result::Result<&'a [u8], String> {
+        if n > self.remaining() {
+            return Err(format!(
+                "unexpected end of file at byte {} (needed {n} more bytes, {} left)",
+                self.pos,
+                self.remaining()
+            ));
+        }
+        let s = &self.bytes[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self) -> std::result::Result<[u8; N], String> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u32(&mut self) -> std::result::Result<u32, String> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> std::result::Result<u64, String> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    fn string(&mut self) -> std::result::Result<String, String> {
+        let len = self.u64()?;
+        if len > self.remaining() as u64 {
+            return Err(format!(
+                "string length {len} exceeds the {} bytes left",
+                self.remaining()
+            ));
+        }
+        let raw = self.take(len as usize)?;
+        String::from_utf8(raw.to_vec()).map_err(|_| "string is not valid UTF-8".to_string())
+    }
+
+    fn value(&mut self, ty: ValueType, depth: usize) -> std::result::Result<Value, String> {
+        Ok(match ty {
+            ValueType::U8 => Value::U8(self.array::<1>()?[0]),
+            ValueType::I8 => Value::I8(self.array::<1>()?[0] as i8),
+            ValueType::U16 => Value::U16(u16::from_le_bytes(self.array()?)),
+            ValueType::I16 => Value::I16(i16::from_le_bytes(self.array()?)),
+            ValueType::U32 => Value::U32(self.u32()?),
+            ValueType::I32 => Value::I32(i32::from_le_bytes(self.array()?)),
+            ValueType::F32 => Value::F32(f32::from_le_bytes(self.array()?)),
+            ValueType::Bool => match self.array::<1>()?[0] {
+                0 => Value::Bool(false),
+                1 => Value::Bool(true),
+                b => return Err(format!("bool value {b} is neither 0 nor 1")),
+            },
+            ValueType::String => Value::String(self.string()?),
+            ValueType::U64 => Value::U64(self.u64()?),
+            ValueType::I64 => Value::I64(i64::from_le_bytes(self.array()?)),
+            ValueType::F64 => Value::F64(f64::from_le_bytes(self.array()?)),
+            ValueType::Array => {
+                if depth >= MAX_ARRAY_DEPTH {
+                    return Err("arrays nested too deeply".into());
+                }
+                let elem = self.u32()?;
+                let elem = ValueType::from_id(elem)
+                    .ok_or_else(|| format!("unknown array element type {elem}"))?;
+                let n = self.u64()?;
+                let min = elem.min_encoded_size() as u64;
+                if n.checked_mul(min)
+                    .is_none_or(|b| b > self.remaining() as u64)
+                {
+                    return Err(format!(
+                        "array of {n} elements is larger than the file can hold"
+                    ));
+                }
+                let mut items = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    items.push(self.value(elem, depth + 1)?);
+                }
+                Value::Array(elem, items)
+            }
+        })
+    }
+}

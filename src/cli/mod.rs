@@ -1,0 +1,61 @@
+//! The `refusion` command line.
+
+mod convert_cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "refusion",
+    version,
+    about = "Run the ReFusion diffusion language model from GGUF files"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Convert a Hugging Face Qwen3/ReFusion checkpoint folder to one GGUF file.
+    Convert(convert_cmd::ConvertArgs),
+    /// Re-encode an f32/f16/bf16 GGUF file to another type (like llama-quantize).
+    Quantize(convert_cmd::QuantizeArgs),
+    /// Print a GGUF file's metadata and tensor table.
+    Info(convert_cmd::InfoArgs),
+}
+
+/// Runs the command line and returns the process exit code.
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Convert(args) => convert_cmd::convert(args),
+        Command::Quantize(args) => convert_cmd::quantize(args),
+        Command::Info(args) => convert_cmd::info(args),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            if matches!(
+                e.downcast_ref::<refusion_convert::Error>(),
+                Some(refusion_convert::Error::Interrupted)
+            ) {
+                eprintln!("interrupted: no output file was written");
+                return 130;
+            }
+            eprintln!("error: {e:#}");
+            1
+        }
+    }
+}
+
+/// Sizes rayon's pool (`-t`); 0 or absent keeps one thread per core.
+pub(crate) fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    if let Some(n) = threads.filter(|&n| n > 0) {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .map_err(|e| anyhow::anyhow!("cannot set {n} threads: {e}"))?;
+    }
+    Ok(())
+}
