@@ -56,11 +56,13 @@ pub fn affine_fit(
     }
     let mut levels = [0u8; 32];
     debug_assert!(n <= levels.len());
+    // Each candidate is anchored at the best offset found so far (not the group minimum):
+    // the sweep walks from the current best fit, as ggml's search does.
     for step in 0..=nstep {
-        iscale = (rmin + rdelta * step as f32 + nmax as f32) / (hi - lo);
+        iscale = (rmin + rdelta * step as f32 + nmax as f32) / (hi - min);
         let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
         for (i, (&v, &w)) in x.iter().zip(weights).enumerate() {
-            let l = nearest(iscale * (v - lo)).clamp(0, nmax);
+            let l = nearest(iscale * (v - min)).clamp(0, nmax);
             levels[i] = l as u8;
             let lf = l as f32;
             sum_l += w * lf;
