@@ -58,6 +58,9 @@ impl RowSource for SafetensorsRows<'_> {
     fn input_type(&self) -> String {
         format!("{:?}", self.tensor.dtype).to_lowercase()
     }
+    fn source_name(&self) -> String {
+        self.tensor.name.clone()
+    }
 }
 
 /// The expected (HF name, GGUF name, PyTorch shape) of every tensor of the model.

@@ -25,7 +25,7 @@ pub struct MixOptions {
 /// llama.cpp's layer selection for the "more bits" layers: the first and last eighth, and
 /// every third layer in between.
 pub fn use_more_bits(i: usize, n: usize) -> bool {
-    i < n / 8 || i >= 7 * n / 8 || (i >= n / 8 && (i - n / 8) % 3 == 2)
+    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
 }
 
 /// The type for one tensor, and a note when the row length forced a fallback type.

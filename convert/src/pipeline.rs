@@ -28,6 +28,8 @@ pub trait RowSource: Sync {
     fn origin(&self) -> String;
     /// The input's element type, for the log.
     fn input_type(&self) -> String;
+    /// The tensor's name in the input, for error messages.
+    fn source_name(&self) -> String;
 }
 
 pub struct Job<'a> {
@@ -151,7 +153,7 @@ pub fn write_gguf(
                     job.source.origin(),
                     format!(
                         "tensor '{}' holds a non-finite value ({}) at row {}, column {}",
-                        spec.name,
+                        job.source.source_name(),
                         f32_buf[pos],
                         row + pos / row_len,
                         pos % row_len

@@ -34,6 +34,9 @@ impl RowSource for GgufRows<'_> {
     fn input_type(&self) -> String {
         self.tensor.ty.name().to_string()
     }
+    fn source_name(&self) -> String {
+        self.tensor.name.clone()
+    }
 }
 
 fn meta_u64(file: &GgufFile, key: &str) -> Result<u64> {

@@ -180,12 +180,14 @@ impl Weights {
                 Dtype::F32 => SourceDtype::F32,
                 Dtype::F16 => SourceDtype::F16,
                 Dtype::BF16 => SourceDtype::BF16,
-                other => return Err(Error::bad(
-                    path,
-                    format!(
+                other => {
+                    return Err(Error::bad(
+                        path,
+                        format!(
                         "tensor '{name}' has dtype {other:?}; only F32, F16 and BF16 are supported"
                     ),
-                )),
+                    ))
+                }
             };
             let (begin, end) = info.data_offsets;
             let t = SourceTensor {

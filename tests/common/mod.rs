@@ -1,0 +1,368 @@
+//! Helpers shared by the integration tests: building tiny Qwen3 checkpoints on disk and
+//! running the `refusion` binary.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use safetensors::tensor::{Dtype, TensorView};
+use serde_json::{json, Value as Json};
+
+pub fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_refusion"))
+}
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+pub fn fixture_model(name: &str) -> PathBuf {
+    fixtures().join("models").join(name)
+}
+
+/// Runs `refusion ARGS...` and returns its output.
+pub fn run(args: &[&str]) -> Output {
+    Command::new(bin())
+        .args(args)
+        .output()
+        .expect("failed to start refusion")
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Asserts a clean failure: non-zero exit, the expected words in stderr, and no panic.
+pub fn assert_fails_with(o: &Output, needles: &[&str]) {
+    let err = stderr(o);
+    assert!(
+        !o.status.success(),
+        "expected failure, got success; stderr:\n{err}"
+    );
+    assert!(!err.contains("panicked"), "panicked:\n{err}");
+    for n in needles {
+        assert!(err.contains(n), "stderr lacks {n:?}:\n{err}");
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokLayout {
+    /// `tokenizer.json`
+    Fast,
+    /// `vocab.json` + `merges.txt` + `added_tokens.json` (as the ReFusion repo ships)
+    Slow,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dt {
+    F32,
+    BF16,
+    F16,
+}
+
+/// The shape of a tiny checkpoint to build.
+#[derive(Clone, Debug)]
+pub struct Tiny {
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    /// Must be at least the tokenizer's 512 entries; extra ids are padding.
+    pub vocab: usize,
+    pub tied: bool,
+    pub dtype: Dt,
+    pub shards: usize,
+    pub tokenizer: TokLayout,
+    pub seed: u64,
+}
+
+impl Default for Tiny {
+    fn default() -> Self {
+        Tiny {
+            hidden: 256,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            ffn: 512,
+            vocab: 512,
+            tied: false,
+            dtype: Dt::BF16,
+            shards: 1,
+            tokenizer: TokLayout::Fast,
+            seed: 1,
+        }
+    }
+}
+
+/// A deterministic pseudo-random stream in [-1, 1).
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// The tensors (PyTorch names and shapes) of a Qwen3 checkpoint of this shape.
+pub fn tensor_shapes(t: &Tiny) -> Vec<(String, Vec<usize>)> {
+    let (h, q, kv) = (t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim);
+    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![t.vocab, h])];
+    for l in 0..t.layers {
+        let p = format!("model.layers.{l}.");
+        v.push((p.clone() + "input_layernorm.weight", vec![h]));
+        v.push((p.clone() + "self_attn.q_proj.weight", vec![q, h]));
+        v.push((p.clone() + "self_attn.k_proj.weight", vec![kv, h]));
+        v.push((p.clone() + "self_attn.v_proj.weight", vec![kv, h]));
+        v.push((p.clone() + "self_attn.o_proj.weight", vec![h, q]));
+        v.push((p.clone() + "self_attn.q_norm.weight", vec![t.head_dim]));
+        v.push((p.clone() + "self_attn.k_norm.weight", vec![t.head_dim]));
+        v.push((p.clone() + "post_attention_layernorm.weight", vec![h]));
+        v.push((p.clone() + "mlp.gate_proj.weight", vec![t.ffn, h]));
+        v.push((p.clone() + "mlp.up_proj.weight", vec![t.ffn, h]));
+        v.push((p.clone() + "mlp.down_proj.weight", vec![h, t.ffn]));
+    }
+    v.push(("model.norm.weight".to_string(), vec![h]));
+    if !t.tied {
+        v.push(("lm_head.weight".to_string(), vec![t.vocab, h]));
+    }
+    v
+}
+
+pub fn config_json(t: &Tiny) -> Json {
+    json!({
+        "architectures": ["Qwen3ForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_qwen3.Qwen3Config",
+            "AutoModelForCausalLM": "modeling_qwen3_refusion.Qwen3ForCausalLM"
+        },
+        "attention_bias": false,
+        "bos_token_id": 506,
+        "eos_token_id": 508,
+        "mask_token_id": 511,
+        "head_dim": t.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": t.hidden,
+        "intermediate_size": t.ffn,
+        "max_position_embeddings": 4096,
+        "model_type": "qwen3",
+        "num_attention_heads": t.heads,
+        "num_hidden_layers": t.layers,
+        "num_key_value_heads": t.kv_heads,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": null,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": t.tied,
+        "torch_dtype": "bfloat16",
+        "use_sliding_window": false,
+        "vocab_size": t.vocab
+    })
+}
+
+fn encode(dt: Dt, values: &[f32]) -> (Dtype, Vec<u8>, Vec<f32>) {
+    match dt {
+        Dt::F32 => (
+            Dtype::F32,
+            values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            values.to_vec(),
+        ),
+        Dt::BF16 => {
+            let q: Vec<half::bf16> = values.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            (
+                Dtype::BF16,
+                q.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                q.iter().map(|v| v.to_f32()).collect(),
+            )
+        }
+        Dt::F16 => {
+            let q: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
+            (
+                Dtype::F16,
+                q.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                q.iter().map(|v| v.to_f32()).collect(),
+            )
+        }
+    }
+}
+
+/// Writes `tensors` as safetensors files in `dir`: one `model.safetensors`, or `shards`
+/// files with an index.
+pub fn write_weights(dir: &Path, tensors: &[(String, Vec<usize>, Dtype, Vec<u8>)], shards: usize) {
+    let write = |path: &Path, items: &[&(String, Vec<usize>, Dtype, Vec<u8>)]| {
+        let views: Vec<(String, TensorView)> = items
+            .iter()
+            .map(|(n, s, d, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, path).unwrap();
+    };
+    if shards <= 1 {
+        write(
+            &dir.join("model.safetensors"),
+            &tensors.iter().collect::<Vec<_>>(),
+        );
+        return;
+    }
+    let per = tensors.len().div_ceil(shards);
+    let mut map = serde_json::Map::new();
+    for (i, chunk) in tensors.chunks(per).enumerate() {
+        let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, shards);
+        write(&dir.join(&file), &chunk.iter().collect::<Vec<_>>());
+        for (name, ..) in chunk {
+            map.insert(name.clone(), Json::String(file.clone()));
+        }
+    }
+    let index = json!({"metadata": {"total_size": 0}, "weight_map": map});
+    fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_string_pretty(&index).unwrap(),
+    )
+    .unwrap();
+}
+
+/// Writes the tokenizer of the pub-a fixture in the requested layout.
+pub fn write_tokenizer(dir: &Path, layout: TokLayout) {
+    let src = fixture_model("pub-a");
+    fs::copy(
+        src.join("tokenizer_config.json"),
+        dir.join("tokenizer_config.json"),
+    )
+    .unwrap();
+    match layout {
+        TokLayout::Fast => {
+            fs::copy(src.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+        }
+        TokLayout::Slow => write_slow_tokenizer(&src.join("tokenizer.json"), dir),
+    }
+}
+
+/// Splits a tokenizer.json into the slow-tokenizer files transformers' save_pretrained writes.
+pub fn write_slow_tokenizer(tokenizer_json: &Path, dir: &Path) {
+    let tj: Json = serde_json::from_str(&fs::read_to_string(tokenizer_json).unwrap()).unwrap();
+    fs::write(
+        dir.join("vocab.json"),
+        serde_json::to_string(&tj["model"]["vocab"]).unwrap(),
+    )
+    .unwrap();
+    let mut merges = String::from("#version: 0.2\n");
+    for m in tj["model"]["merges"].as_array().unwrap() {
+        match m {
+            Json::String(s) => merges.push_str(s),
+            Json::Array(p) => {
+                merges.push_str(p[0].as_str().unwrap());
+                merges.push(' ');
+                merges.push_str(p[1].as_str().unwrap());
+            }
+            _ => panic!("bad merge"),
+        }
+        merges.push('\n');
+    }
+    fs::write(dir.join("merges.txt"), merges).unwrap();
+    let mut added = serde_json::Map::new();
+    for a in tj["added_tokens"].as_array().unwrap() {
+        added.insert(a["content"].as_str().unwrap().to_string(), a["id"].clone());
+    }
+    fs::write(
+        dir.join("added_tokens.json"),
+        serde_json::to_string(&added).unwrap(),
+    )
+    .unwrap();
+}
+
+/// Builds a checkpoint folder and returns the exact f32 values of every tensor (after the
+/// checkpoint dtype's rounding), keyed by PyTorch name.
+pub fn build_checkpoint(dir: &Path, t: &Tiny) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    fs::create_dir_all(dir).unwrap();
+    fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config_json(t)).unwrap(),
+    )
+    .unwrap();
+    fs::write(
+        dir.join("generation_config.json"),
+        r#"{"bos_token_id": 506, "eos_token_id": [508, 506], "do_sample": false}"#,
+    )
+    .unwrap();
+    write_tokenizer(dir, t.tokenizer);
+    let mut rng = Rng::new(t.seed);
+    let mut values = BTreeMap::new();
+    let mut raw = Vec::new();
+    for (name, shape) in tensor_shapes(t) {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = if shape.len() == 1 {
+            (0..n).map(|_| 1.0 + 0.1 * rng.next()).collect()
+        } else {
+            (0..n)
+                .map(|i| 0.05 * rng.next() * if i % 61 == 0 { 8.0 } else { 1.0 })
+                .collect()
+        };
+        let (dtype, bytes, exact) = encode(t.dtype, &v);
+        raw.push((name.clone(), shape.clone(), dtype, bytes));
+        values.insert(name, (shape, exact));
+    }
+    write_weights(dir, &raw, t.shards);
+    values
+}
+
+/// Reads a safetensors file's tensor as f32 (for comparing fixtures).
+pub fn read_safetensors_f32(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    let bytes = fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out = BTreeMap::new();
+    for (name, view) in st.tensors() {
+        assert_eq!(view.dtype(), Dtype::F32);
+        let v: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        out.insert(name, (view.shape().to_vec(), v));
+    }
+    out
+}
+
+/// The GGUF name of a checkpoint tensor.
+pub fn gguf_name(hf: &str) -> String {
+    let map = [
+        ("input_layernorm.weight", "attn_norm.weight"),
+        ("self_attn.q_proj.weight", "attn_q.weight"),
+        ("self_attn.k_proj.weight", "attn_k.weight"),
+        ("self_attn.v_proj.weight", "attn_v.weight"),
+        ("self_attn.o_proj.weight", "attn_output.weight"),
+        ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+        ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+        ("post_attention_layernorm.weight", "ffn_norm.weight"),
+        ("mlp.gate_proj.weight", "ffn_gate.weight"),
+        ("mlp.up_proj.weight", "ffn_up.weight"),
+        ("mlp.down_proj.weight", "ffn_down.weight"),
+    ];
+    match hf {
+        "model.embed_tokens.weight" => "token_embd.weight".into(),
+        "model.norm.weight" => "output_norm.weight".into(),
+        "lm_head.weight" => "output.weight".into(),
+        _ => {
+            let rest = hf.strip_prefix("model.layers.").expect("layer tensor");
+            let (layer, suffix) = rest.split_once('.').unwrap();
+            let g = map
+                .iter()
+                .find(|(h, _)| *h == suffix)
+                .expect("known suffix")
+                .1;
+            format!("blk.{layer}.{g}")
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! Ctrl-C (SIGINT), SIGTERM and SIGKILL in the middle of a conversion: no partial file is left
+//! (except after SIGKILL, which no process can clean up after), and an existing file of the same
+//! name is untouched.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn partial(out: &Path) -> PathBuf {
+    let mut s = out.as_os_str().to_os_string();
+    s.push(".partial");
+    PathBuf::from(s)
+}
+
+/// Starts a conversion, waits until it is writing tensor data, sends `signal`, and returns
+/// the exit status and stderr.
+fn interrupt_with(dir: &Path, out: &Path, signal: &str) -> (Option<i32>, String) {
+    let child = Command::new(bin())
+        .args([
+            "convert",
+            dir.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--outtype",
+            "q2_k",
+            "-t",
+            "1",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let part = partial(out);
+    loop {
+        if fs::metadata(&part)
+            .map(|m| m.len() > 256 * 1024)
+            .unwrap_or(false)
+        {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "conversion never started writing"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args([signal, &pid])
+        .status()
+        .unwrap()
+        .success());
+    let o = child.wait_with_output().unwrap();
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn signals_mid_write_leave_no_partial_and_keep_the_old_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    // About 40 MB of bf16: long enough to be caught mid-write.
+    build_checkpoint(
+        &dir,
+        &Tiny {
+            hidden: 1024,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 128,
+            ffn: 3072,
+            layers: 3,
+            vocab: 4096,
+            ..Default::default()
+        },
+    );
+    let out = tmp.path().join("model.gguf");
+    for signal in ["-INT", "-TERM"] {
+        fs::write(&out, b"the previous model").unwrap();
+        let (code, err) = interrupt_with(&dir, &out, signal);
+        assert_eq!(code, Some(130), "{signal}: {err}");
+        assert!(err.contains("interrupted"), "{signal}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!partial(&out).exists(), "{signal}: partial file left");
+        assert_eq!(
+            fs::read(&out).unwrap(),
+            b"the previous model",
+            "{signal}: old file changed"
+        );
+    }
+    // SIGKILL cannot be caught: the partial file may remain, but the target is untouched.
+    let (code, _) = interrupt_with(&dir, &out, "-KILL");
+    assert_eq!(code, None);
+    assert_eq!(fs::read(&out).unwrap(), b"the previous model");
+    // A later run replaces the stale partial file and completes.
+    let o = run(&[
+        "convert",
+        dir.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--outtype",
+        "q8_0",
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!partial(&out).exists());
+    assert!(fs::read(&out).unwrap().starts_with(b"GGUF"));
+}
