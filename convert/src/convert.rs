@@ -49,8 +49,9 @@ impl RowSource for SafetensorsRows<'_> {
     fn input_bytes(&self) -> u64 {
         self.tensor.len as u64
     }
-    fn release(&self) {
-        self.weights.release(self.tensor);
+    fn release_rows(&self, first: usize, count: usize) {
+        self.weights
+            .release_rows(self.tensor, self.row_len, first, count);
     }
     fn origin(&self) -> String {
         self.weights.path_of(self.tensor).display().to_string()

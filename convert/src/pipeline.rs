@@ -22,8 +22,8 @@ pub trait RowSource: Sync {
     fn read_rows(&self, first: usize, count: usize, out: &mut [f32]);
     /// The input bytes this tensor reads.
     fn input_bytes(&self) -> u64;
-    /// Called once the tensor is written, to drop its input pages.
-    fn release(&self) {}
+    /// Called once rows `first..first+count` are written, to drop their input pages.
+    fn release_rows(&self, _first: usize, _count: usize) {}
     /// Names the input for error messages, e.g. the file the tensor comes from.
     fn origin(&self) -> String;
     /// The input's element type, for the log.
@@ -166,9 +166,9 @@ pub fn write_gguf(
             if let Some(bar) = &bar {
                 bar.inc(input_per_row * count as u64);
             }
+            job.source.release_rows(row, count);
             row += count;
         }
-        job.source.release();
     }
     let buffered = writer.finish().map_err(io_err)?;
     buffered.into_inner().map_err(|e| io_err(e.into_error()))?;

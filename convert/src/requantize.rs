@@ -25,8 +25,13 @@ impl RowSource for GgufRows<'_> {
     fn input_bytes(&self) -> u64 {
         self.tensor.n_bytes
     }
-    fn release(&self) {
-        self.file.release(self.tensor);
+    fn release_rows(&self, first: usize, count: usize) {
+        let row_bytes = self.tensor.ty.row_bytes(self.tensor.ne[0]).unwrap_or(0);
+        self.file.release(
+            self.tensor,
+            first as u64 * row_bytes,
+            count as u64 * row_bytes,
+        );
     }
     fn origin(&self) -> String {
         self.file.path.display().to_string()

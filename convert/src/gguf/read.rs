@@ -256,11 +256,11 @@ impl GgufFile {
         self.mmap.len() as u64
     }
 
-    /// Tells the kernel that the pages of this tensor are no longer needed, so that a
-    /// streaming pass over a large file does not keep it all resident.
-    pub fn release(&self, t: &TensorInfo) {
-        let start = (self.header.data_offset + t.offset) as usize;
-        crate::hf::release_pages(&self.mmap, start, t.n_bytes as usize);
+    /// Tells the kernel that `len` bytes of a tensor's data from `offset` are no longer
+    /// needed, so that a streaming pass over a large file does not keep it all resident.
+    pub fn release(&self, t: &TensorInfo, offset: u64, len: u64) {
+        let start = self.header.data_offset + t.offset + offset;
+        crate::hf::release_pages(&self.mmap, start as usize, len.min(t.n_bytes) as usize);
     }
 }
 

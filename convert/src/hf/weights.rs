@@ -238,8 +238,10 @@ impl Weights {
         );
     }
 
-    /// Drops the resident pages of a tensor once it has been converted.
-    pub fn release(&self, t: &SourceTensor) {
-        super::release_pages(&self.shards[t.shard].mmap, t.start, t.len);
+    /// Drops the resident pages of rows that have been converted.
+    pub fn release_rows(&self, t: &SourceTensor, row_len: usize, first: usize, count: usize) {
+        let es = t.dtype.size();
+        let start = t.start + first * row_len * es;
+        super::release_pages(&self.shards[t.shard].mmap, start, count * row_len * es);
     }
 }
