@@ -87,17 +87,25 @@ pub fn affine_fit(
         let l = nearest(iscale * (v - lo)).clamp(0, nmax);
         best += w * err_of(scale * l as f32 + lo - v);
     }
-    let mut levels = [0u8; 32];
+    let mut levels = [0f32; 32];
+    let mut previous = [-1f32; 32];
     debug_assert!(n <= levels.len());
+    let (levels, previous) = (&mut levels[..n], &mut previous[..n]);
     // Each candidate is anchored at the best offset found so far (not the group minimum):
     // the sweep walks from the current best fit, as ggml's search does.
     for step in 0..=nstep {
         iscale = (rmin + rdelta * step as f32 + nmax as f32) / (hi - min);
+        for (l, &v) in levels.iter_mut().zip(x) {
+            *l = nearest(iscale * (v - min)).clamp(0, nmax) as f32;
+        }
+        // Neighbouring candidates often round to the same levels, which give the same fit
+        // and error as last time: skip the (latency-bound) sums. The result is unchanged.
+        if levels == previous {
+            continue;
+        }
+        previous.copy_from_slice(levels);
         let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
-        for (i, (&v, &w)) in x.iter().zip(weights).enumerate() {
-            let l = nearest(iscale * (v - min)).clamp(0, nmax);
-            levels[i] = l as u8;
-            let lf = l as f32;
+        for ((&lf, &v), &w) in levels.iter().zip(x).zip(weights) {
             sum_l += w * lf;
             sum_l2 += w * lf * lf;
             sum_xl += w * lf * v;
@@ -113,8 +121,8 @@ pub fn affine_fit(
             this_scale = sum_xl / sum_l2;
         }
         let mut err = 0f32;
-        for (i, (&v, &w)) in x.iter().zip(weights).enumerate() {
-            err += w * err_of(this_scale * levels[i] as f32 + this_min - v);
+        for ((&lf, &v), &w) in levels.iter().zip(x).zip(weights) {
+            err += w * err_of(this_scale * lf + this_min - v);
         }
         if err < best {
             best = err;
