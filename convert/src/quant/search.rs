@@ -17,32 +17,6 @@ pub fn nearest(x: f32) -> i32 {
     (v.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
-#[cfg(test)]
-mod tests {
-    use super::nearest;
-
-    #[test]
-    fn nearest_rounds_half_to_even_and_saturates() {
-        for (x, want) in [
-            (0.5, 0),
-            (1.5, 2),
-            (2.5, 2),
-            (-0.5, 0),
-            (-1.5, -2),
-            (3.49, 3),
-            (-7.6, -8),
-            (1e9, 4_194_303),
-            (-1e9, -4_194_303),
-        ] {
-            assert_eq!(nearest(x), want, "{x}");
-        }
-        for i in -1000..1000 {
-            let x = i as f32 * 0.37;
-            assert_eq!(nearest(x), x.round_ties_even() as i32);
-        }
-    }
-}
-
 /// Below this a group is treated as all zeros.
 pub const GROUP_EPS: f32 = 1e-15;
 
@@ -318,4 +292,30 @@ pub fn refine_symmetric_code(
         }
     }
     best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nearest;
+
+    #[test]
+    fn nearest_rounds_half_to_even_and_saturates() {
+        for (x, want) in [
+            (0.5, 0),
+            (1.5, 2),
+            (2.5, 2),
+            (-0.5, 0),
+            (-1.5, -2),
+            (3.49, 3),
+            (-7.6, -8),
+            (1e9, 4_194_303),
+            (-1e9, -4_194_303),
+        ] {
+            assert_eq!(nearest(x), want, "{x}");
+        }
+        for i in -1000..1000 {
+            let x = i as f32 * 0.37;
+            assert_eq!(nearest(x), x.round_ties_even() as i32);
+        }
+    }
 }
