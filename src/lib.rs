@@ -1,8 +1,11 @@
 //! refusion: run the ReFusion diffusion language model locally from GGUF weights.
 //!
-//! The converter lives in the `refusion-convert` crate (`convert/`); this crate holds the
-//! front ends.
+//! Data flows one way: file (`refusion-convert`'s GGUF reader) → weights and forward
+//! ([`model`]) over the KV cache ([`kv`]) ← decoder ← front ends ([`cli`]).
 
 pub mod cli;
+pub mod error;
+pub mod kv;
+pub mod model;
 
 pub use refusion_convert as convert;

@@ -1,0 +1,505 @@
+//! The KV cache: one preallocated, memory-mapped buffer for the whole context (anonymous by
+//! default, file-backed with `--kv-file`), holding K (after RoPE) and V of every layer.
+//!
+//! It has two parts:
+//! - the *shared* prefix, entries `0..shared_len()` in cache order, which every row attends to
+//!   and which is read in place, never copied per row;
+//! - *private* entries per row: each forward appends the K/V of its new tokens to their rows
+//!   (HF's `use_cache=True`), and the decoder then truncates the rows, commits chosen entries
+//!   into the shared prefix in a given order (the reference's `full_update`), or drops them.
+//!
+//! Private entries live in slots after the shared prefix; a row is a list of slot indices.
+//! Cropping is O(1); committing copies only the committed entries.
+
+use std::fs::OpenOptions;
+use std::path::Path;
+
+use half::f16;
+use memmap2::MmapMut;
+
+use crate::error::{Error, Result};
+
+/// Element type of the cache (`--cache-type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheType {
+    F32,
+    F16,
+}
+
+impl CacheType {
+    pub fn size(self) -> usize {
+        match self {
+            CacheType::F32 => 4,
+            CacheType::F16 => 2,
+        }
+    }
+}
+
+impl std::str::FromStr for CacheType {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(CacheType::F32),
+            "f16" => Ok(CacheType::F16),
+            _ => Err(format!("unknown cache type '{s}' (expected f32 or f16)")),
+        }
+    }
+}
+
+/// The cache's geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheShape {
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// Entries (tokens) the buffer holds: shared prefix plus private slots.
+    pub capacity: usize,
+}
+
+impl CacheShape {
+    pub fn bytes_per_token(&self, ty: CacheType) -> usize {
+        self.n_layers * 2 * self.n_kv_heads * self.head_dim * ty.size()
+    }
+}
+
+/// Read access to one layer's K or V for one KV head: `head_dim` elements per slot.
+pub enum HeadView<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+}
+
+pub struct KvCache {
+    shape: CacheShape,
+    ty: CacheType,
+    mmap: MmapMut,
+    shared: usize,
+    shared_pos: Vec<u32>,
+    /// Private slots of each row, in order.
+    rows: Vec<Vec<usize>>,
+    /// Position id of every slot (shared and private).
+    slot_pos: Vec<u32>,
+    /// Private slot allocation: bump pointer over `shared..capacity` plus freed slots.
+    next_free: usize,
+    free: Vec<usize>,
+    /// Reused staging buffer for commits.
+    staging: Vec<u8>,
+}
+
+impl KvCache {
+    /// An anonymous (RAM/swap-backed) cache. Pages are only touched as entries are written.
+    pub fn new(shape: CacheShape, ty: CacheType) -> Result<KvCache> {
+        let bytes = Self::total_bytes(&shape, ty)?;
+        let mmap = MmapMut::map_anon(bytes.max(1)).map_err(|e| {
+            Error::msg(format!(
+                "cannot reserve {bytes} bytes for the KV cache: {e}"
+            ))
+        })?;
+        Ok(Self::with_map(shape, ty, mmap))
+    }
+
+    /// A cache backed by the file at `path` (created or truncated to the cache's size).
+    pub fn with_file(shape: CacheShape, ty: CacheType, path: &Path) -> Result<KvCache> {
+        let bytes = Self::total_bytes(&shape, ty)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
+        file.set_len(bytes as u64)
+            .map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
+        // SAFETY: the file was just created for this cache; nothing else maps it.
+        let mmap = unsafe { MmapMut::map_mut(&file) }
+            .map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
+        Ok(Self::with_map(shape, ty, mmap))
+    }
+
+    fn total_bytes(shape: &CacheShape, ty: CacheType) -> Result<usize> {
+        shape
+            .bytes_per_token(ty)
+            .checked_mul(shape.capacity)
+            .ok_or_else(|| Error::msg("KV cache size overflows"))
+    }
+
+    fn with_map(shape: CacheShape, ty: CacheType, mmap: MmapMut) -> KvCache {
+        KvCache {
+            shape,
+            ty,
+            mmap,
+            shared: 0,
+            shared_pos: Vec::new(),
+            rows: Vec::new(),
+            slot_pos: vec![0; shape.capacity],
+            next_free: 0,
+            free: Vec::new(),
+            staging: Vec::new(),
+        }
+    }
+
+    pub fn shape(&self) -> CacheShape {
+        self.shape
+    }
+
+    pub fn cache_type(&self) -> CacheType {
+        self.ty
+    }
+
+    /// Entries in the shared prefix.
+    pub fn shared_len(&self) -> usize {
+        self.shared
+    }
+
+    /// Position ids of the shared prefix, in cache order.
+    pub fn shared_positions(&self) -> &[u32] {
+        &self.shared_pos
+    }
+
+    pub fn n_rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Private entries of row `r` (0 for a row that does not exist).
+    pub fn row_len(&self, r: usize) -> usize {
+        self.rows.get(r).map_or(0, Vec::len)
+    }
+
+    /// Private slots of row `r`, in order.
+    pub fn row_slots(&self, r: usize) -> &[usize] {
+        self.rows.get(r).map_or(&[], Vec::as_slice)
+    }
+
+    /// Position id of a slot.
+    pub fn slot_position(&self, slot: usize) -> u32 {
+        self.slot_pos[slot]
+    }
+
+    fn used_private(&self) -> usize {
+        self.rows.iter().map(Vec::len).sum()
+    }
+
+    /// Free entries: what a forward may still add.
+    pub fn available(&self) -> usize {
+        self.shape.capacity - self.shared - self.used_private()
+    }
+
+    /// Appends one new entry per token to its row and returns the slots, in batch order.
+    /// Rows are created as needed. Fails, changing nothing, when the context is full.
+    pub fn allocate(&mut self, rows: &[u32], positions: &[u32]) -> Result<Vec<usize>> {
+        if rows.len() > self.available() {
+            return Err(Error::ContextFull {
+                needed: self.shared + self.used_private() + rows.len(),
+                capacity: self.shape.capacity,
+            });
+        }
+        let mut slots = Vec::with_capacity(rows.len());
+        for (&r, &p) in rows.iter().zip(positions) {
+            let slot = match self.free.pop() {
+                Some(s) => s,
+                None => {
+                    self.next_free += 1;
+                    self.next_free - 1
+                }
+            };
+            let r = r as usize;
+            if self.rows.len() <= r {
+                self.rows.resize_with(r + 1, Vec::new);
+            }
+            self.rows[r].push(slot);
+            self.slot_pos[slot] = p;
+            slots.push(slot);
+        }
+        Ok(slots)
+    }
+
+    /// Keeps the first `n` private entries of every row (HF's `crop(shared + n)`).
+    pub fn truncate_rows(&mut self, n: usize) {
+        for row in &mut self.rows {
+            if row.len() > n {
+                self.free.extend(row.drain(n..));
+            }
+        }
+    }
+
+    /// Keeps rows `0..n` and drops the others (HF's `batch_select_minibatch(n)`).
+    pub fn retain_rows(&mut self, n: usize) {
+        if self.rows.len() > n {
+            for row in self.rows.drain(n..) {
+                self.free.extend(row);
+            }
+        }
+    }
+
+    /// Drops every private entry.
+    pub fn clear_rows(&mut self) {
+        self.rows.clear();
+        self.free.clear();
+        self.next_free = self.shared;
+    }
+
+    /// Truncates the shared prefix to `n` entries (O(1)) and drops every private entry.
+    pub fn crop(&mut self, n: usize) {
+        let n = n.min(self.shared);
+        self.shared = n;
+        self.shared_pos.truncate(n);
+        self.clear_rows();
+    }
+
+    /// Appends the given private entries, `(row, index in row)`, to the shared prefix in the
+    /// given order, then drops every private entry. Only the committed entries are copied.
+    pub fn commit(&mut self, entries: &[(usize, usize)]) -> Result<()> {
+        let mut slots = Vec::with_capacity(entries.len());
+        for &(r, i) in entries {
+            let slot = *self.rows.get(r).and_then(|row| row.get(i)).ok_or_else(|| {
+                Error::msg(format!(
+                    "commit of entry {i} of row {r}, which does not exist"
+                ))
+            })?;
+            slots.push(slot);
+        }
+        let es = self.ty.size();
+        let hd = self.shape.head_dim;
+        let n_heads = self.shape.n_layers * 2 * self.shape.n_kv_heads;
+        let entry_bytes = hd * es;
+        // Stage the entries first: a destination slot may hold another committed entry.
+        self.staging.clear();
+        self.staging.reserve(slots.len() * n_heads * entry_bytes);
+        for head in 0..n_heads {
+            for &s in &slots {
+                let off = self.offset(head, s) * es;
+                self.staging
+                    .extend_from_slice(&self.mmap[off..off + entry_bytes]);
+            }
+        }
+        let positions: Vec<u32> = slots.iter().map(|&s| self.slot_pos[s]).collect();
+        self.clear_rows();
+        let base = self.shared;
+        for head in 0..n_heads {
+            for k in 0..slots.len() {
+                let off = self.offset(head, base + k) * es;
+                let src = (head * slots.len() + k) * entry_bytes;
+                self.mmap[off..off + entry_bytes]
+                    .copy_from_slice(&self.staging[src..src + entry_bytes]);
+            }
+        }
+        for (k, &p) in positions.iter().enumerate() {
+            self.slot_pos[base + k] = p;
+        }
+        self.shared += slots.len();
+        self.shared_pos.extend_from_slice(&positions);
+        self.next_free = self.shared;
+        Ok(())
+    }
+
+    /// Commits every private entry of row `r` (in order) and drops the rest.
+    pub fn commit_row(&mut self, r: usize) -> Result<()> {
+        let entries: Vec<(usize, usize)> = (0..self.row_len(r)).map(|i| (r, i)).collect();
+        self.commit(&entries)
+    }
+
+    /// Removes shared entries for which `keep(index, position)` is false, compacting the rest
+    /// in order (e.g. positions after an EOS before the next chat turn). Drops private entries.
+    pub fn retain_shared(&mut self, mut keep: impl FnMut(usize, u32) -> bool) {
+        let es = self.ty.size();
+        let entry_bytes = self.shape.head_dim * es;
+        let n_heads = self.shape.n_layers * 2 * self.shape.n_kv_heads;
+        let kept: Vec<usize> = (0..self.shared)
+            .filter(|&i| keep(i, self.shared_pos[i]))
+            .collect();
+        for head in 0..n_heads {
+            for (dst, &src) in kept.iter().enumerate() {
+                if dst != src {
+                    let (from, to) = (self.offset(head, src) * es, self.offset(head, dst) * es);
+                    self.mmap.copy_within(from..from + entry_bytes, to);
+                }
+            }
+        }
+        self.shared_pos = kept.iter().map(|&i| self.shared_pos[i]).collect();
+        for (dst, &p) in self.shared_pos.iter().enumerate() {
+            self.slot_pos[dst] = p;
+        }
+        self.shared = kept.len();
+        self.clear_rows();
+    }
+
+    /// Element offset of (head index over layer×{K,V}×kv-head, slot).
+    #[inline]
+    fn offset(&self, head: usize, slot: usize) -> usize {
+        (head * self.shape.capacity + slot) * self.shape.head_dim
+    }
+
+    #[inline]
+    fn head_index(&self, layer: usize, is_v: bool, kv_head: usize) -> usize {
+        (layer * 2 + is_v as usize) * self.shape.n_kv_heads + kv_head
+    }
+
+    /// All slots of one layer's K (or V) for one KV head.
+    pub fn head(&self, layer: usize, is_v: bool, kv_head: usize) -> HeadView<'_> {
+        let h = self.head_index(layer, is_v, kv_head);
+        let start = self.offset(h, 0);
+        let len = self.shape.capacity * self.shape.head_dim;
+        match self.ty {
+            CacheType::F32 => {
+                let all: &[f32] = bytemuck::cast_slice(&self.mmap[..]);
+                HeadView::F32(&all[start..start + len])
+            }
+            CacheType::F16 => {
+                let all: &[f16] = bytemuck::cast_slice(&self.mmap[..]);
+                HeadView::F16(&all[start..start + len])
+            }
+        }
+    }
+
+    /// Writes the K and V of new entries of one layer: `k` and `v` hold, for each slot in
+    /// `slots`, `n_kv_heads * head_dim` values.
+    pub fn write(&mut self, layer: usize, slots: &[usize], k: &[f32], v: &[f32]) {
+        let (nkv, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
+        for (is_v, src) in [(false, k), (true, v)] {
+            for kvh in 0..nkv {
+                let h = self.head_index(layer, is_v, kvh);
+                for (i, &slot) in slots.iter().enumerate() {
+                    let from = &src[(i * nkv + kvh) * hd..(i * nkv + kvh + 1) * hd];
+                    let off = self.offset(h, slot);
+                    match self.ty {
+                        CacheType::F32 => {
+                            let all: &mut [f32] = bytemuck::cast_slice_mut(&mut self.mmap[..]);
+                            all[off..off + hd].copy_from_slice(from);
+                        }
+                        CacheType::F16 => {
+                            let all: &mut [f16] = bytemuck::cast_slice_mut(&mut self.mmap[..]);
+                            for (d, &x) in all[off..off + hd].iter_mut().zip(from) {
+                                *d = f16::from_f32(x);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Flushes a file-backed cache to disk.
+    pub fn flush(&self) -> Result<()> {
+        self.mmap
+            .flush()
+            .map_err(|e| Error::msg(format!("flushing the KV cache: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> CacheShape {
+        CacheShape {
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 4,
+            capacity: 16,
+        }
+    }
+
+    /// K/V values that encode (layer, kv head, tag) so copies can be traced.
+    fn kv_for(layer: usize, tags: &[f32]) -> (Vec<f32>, Vec<f32>) {
+        let mut k = Vec::new();
+        let mut v = Vec::new();
+        for &t in tags {
+            for h in 0..2 {
+                for d in 0..4 {
+                    k.push(t * 100.0 + (layer * 10 + h) as f32 + d as f32 * 0.01);
+                    v.push(-(t * 100.0 + (layer * 10 + h) as f32 + d as f32 * 0.01));
+                }
+            }
+        }
+        (k, v)
+    }
+
+    fn tag_of(c: &KvCache, layer: usize, slot: usize) -> f32 {
+        match c.head(layer, false, 1) {
+            HeadView::F32(k) => (k[slot * 4] - (layer * 10 + 1) as f32) / 100.0,
+            HeadView::F16(k) => (k[slot * 4].to_f32() - (layer * 10 + 1) as f32) / 100.0,
+        }
+    }
+
+    fn fill(c: &mut KvCache, rows: &[u32], tags: &[f32]) -> Vec<usize> {
+        let positions: Vec<u32> = tags.iter().map(|&t| t as u32).collect();
+        let slots = c.allocate(rows, &positions).unwrap();
+        for layer in 0..2 {
+            let (k, v) = kv_for(layer, tags);
+            c.write(layer, &slots, &k, &v);
+        }
+        slots
+    }
+
+    fn check_ops(mut c: KvCache) {
+        // A prompt of 3 entries, committed.
+        fill(&mut c, &[0, 0, 0], &[1.0, 2.0, 3.0]);
+        c.commit_row(0).unwrap();
+        assert_eq!(c.shared_len(), 3);
+        assert_eq!(c.shared_positions(), &[1, 2, 3]);
+        // Two rows of two entries each, interleaved in the batch.
+        fill(&mut c, &[0, 1, 0, 1], &[10.0, 20.0, 11.0, 21.0]);
+        assert_eq!(c.row_len(0), 2);
+        assert_eq!(c.row_len(1), 2);
+        assert_eq!(c.available(), 16 - 3 - 4);
+        // Truncate rows to one entry each, then add one more to each row.
+        c.truncate_rows(1);
+        assert_eq!(c.row_len(0), 1);
+        fill(&mut c, &[0, 1], &[12.0, 22.0]);
+        let r0: Vec<f32> = c.row_slots(0).iter().map(|&s| tag_of(&c, 1, s)).collect();
+        let r1: Vec<f32> = c.row_slots(1).iter().map(|&s| tag_of(&c, 1, s)).collect();
+        assert_eq!(r0, vec![10.0, 12.0]);
+        assert_eq!(r1, vec![20.0, 22.0]);
+        // Commit row 1's entries then row 0's first, in that order.
+        c.commit(&[(1, 0), (1, 1), (0, 0)]).unwrap();
+        assert_eq!(c.shared_len(), 6);
+        assert_eq!(c.n_rows(), 0);
+        let shared: Vec<f32> = (0..6).map(|s| tag_of(&c, 0, s)).collect();
+        assert_eq!(shared, vec![1.0, 2.0, 3.0, 20.0, 22.0, 10.0]);
+        assert_eq!(c.shared_positions(), &[1, 2, 3, 20, 22, 10]);
+        match c.head(1, true, 0) {
+            HeadView::F32(v) => assert_eq!(v[5 * 4 + 1], -(10.0 * 100.0 + 10.0 + 0.01)),
+            HeadView::F16(v) => assert!((v[5 * 4 + 1].to_f32() + 1010.01).abs() < 1.0),
+        }
+        // Drop rows beyond the first, crop the shared prefix, remove entries.
+        fill(&mut c, &[0, 1, 2], &[30.0, 31.0, 32.0]);
+        c.retain_rows(1);
+        assert_eq!(c.n_rows(), 1);
+        c.retain_shared(|_, p| p != 20);
+        assert_eq!(c.shared_positions(), &[1, 2, 3, 22, 10]);
+        let shared: Vec<f32> = (0..5).map(|s| tag_of(&c, 0, s)).collect();
+        assert_eq!(shared, vec![1.0, 2.0, 3.0, 22.0, 10.0]);
+        c.crop(2);
+        assert_eq!(c.shared_len(), 2);
+        assert_eq!(c.available(), 14);
+        // Filling the context is an error that changes nothing.
+        let err = c.allocate(&[0; 15], &[0; 15]).unwrap_err();
+        assert!(err.to_string().contains("context"), "{err}");
+        assert_eq!(c.row_len(0), 0);
+        assert!(c.commit(&[(3, 0)]).is_err());
+    }
+
+    #[test]
+    fn cache_operations_f32_f16_and_file_backed() {
+        check_ops(KvCache::new(shape(), CacheType::F32).unwrap());
+        check_ops(KvCache::new(shape(), CacheType::F16).unwrap());
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kv.bin");
+        let c = KvCache::with_file(shape(), CacheType::F32, &path).unwrap();
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            (shape().bytes_per_token(CacheType::F32) * 16) as u64
+        );
+        check_ops(c);
+    }
+
+    #[test]
+    fn bytes_per_token_matches_refusion_8b() {
+        let s = CacheShape {
+            n_layers: 36,
+            n_kv_heads: 8,
+            head_dim: 128,
+            capacity: 1,
+        };
+        assert_eq!(s.bytes_per_token(CacheType::F16), 147_456);
+    }
+}

@@ -1,0 +1,89 @@
+//! The model side of the house: a flat batch of new tokens (each with a position id and a row
+//! id) goes in over a KV cache, f32 logits come out. The ReFusion decoder sees nothing else.
+
+pub mod attention;
+pub mod config;
+pub mod qwen3;
+
+pub use config::Qwen3Config;
+pub use qwen3::Qwen3;
+
+use crate::error::Result;
+use crate::kv::KvCache;
+
+/// One forward call: new tokens in a flat list. Token `i` sits at RoPE position
+/// `positions[i]` in row `rows[i]`; it attends to the cache's shared prefix, to its row's
+/// private entries, and to the earlier tokens of its row in this batch. Every token's K/V is
+/// appended to its row's private entries.
+#[derive(Debug, Clone, Default)]
+pub struct Batch {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub rows: Vec<u32>,
+    /// Which tokens to compute logits for (batch indices, in the order wanted).
+    pub logits_for: LogitsFor,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// Every token, in batch order.
+    #[default]
+    All,
+    /// No logits (the call only fills the cache).
+    None,
+    /// These batch indices, in this order.
+    Indices(Vec<usize>),
+}
+
+impl Batch {
+    /// One row of consecutive tokens.
+    pub fn row(tokens: &[u32], positions: &[u32], row: u32) -> Batch {
+        Batch {
+            tokens: tokens.to_vec(),
+            positions: positions.to_vec(),
+            rows: vec![row; tokens.len()],
+            logits_for: LogitsFor::All,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The batch indices logits are wanted for.
+    pub fn logit_indices(&self) -> Vec<usize> {
+        match &self.logits_for {
+            LogitsFor::All => (0..self.len()).collect(),
+            LogitsFor::None => Vec::new(),
+            LogitsFor::Indices(i) => i.clone(),
+        }
+    }
+}
+
+/// Logits of the tokens asked for: `n × vocab` f32, row-major.
+#[derive(Debug, Clone)]
+pub struct Logits {
+    pub vocab: usize,
+    pub data: Vec<f32>,
+}
+
+impl Logits {
+    pub fn n(&self) -> usize {
+        self.data.len().checked_div(self.vocab).unwrap_or(0)
+    }
+
+    /// Logits of the `i`-th token asked for.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
+
+/// What the decoder drives: a forward over a KV cache. The CPU and CUDA paths both serve it.
+pub trait Forward {
+    fn config(&self) -> &Qwen3Config;
+    fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Logits>;
+}
