@@ -415,8 +415,8 @@ mod tests {
 
     fn tag_of(c: &KvCache, layer: usize, slot: usize) -> f32 {
         match c.head(layer, false, 1) {
-            HeadView::F32(k) => (k[slot * 4] - (layer * 10 + 1) as f32) / 100.0,
-            HeadView::F16(k) => (k[slot * 4].to_f32() - (layer * 10 + 1) as f32) / 100.0,
+            HeadView::F32(k) => ((k[slot * 4] - (layer * 10 + 1) as f32) / 100.0).round(),
+            HeadView::F16(k) => ((k[slot * 4].to_f32() - (layer * 10 + 1) as f32) / 100.0).round(),
         }
     }
 
