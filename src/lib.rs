@@ -3,6 +3,7 @@
 //! Data flows one way: file (`refusion-convert`'s GGUF reader) → weights and forward
 //! ([`model`]) over the KV cache ([`kv`]) ← decoder ← front ends ([`cli`]).
 
+pub mod chat;
 pub mod cli;
 pub mod error;
 pub mod kv;

@@ -481,35 +481,8 @@ fn an_independent_reader_accepts_our_files() {
 fn refusion_tokenizer_in_the_slow_layout() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("refusion-tiny");
-    let spec = Tiny {
-        hidden: 32,
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 16,
-        ffn: 64,
-        layers: 1,
-        vocab: 151671,
-        tied: true,
-        ..Default::default()
-    };
-    build_checkpoint(&dir, &spec);
-    // Replace the tokenizer with the real one, split into vocab.json / merges.txt / ...
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        let _ = fs::remove_file(dir.join(f));
-    }
+    build_refusion_vocab_checkpoint(&dir, TokLayout::Slow);
     let real = fixtures().join("tokenizers/refusion");
-    write_slow_tokenizer(&real.join("tokenizer.json"), &dir);
-    fs::copy(
-        real.join("tokenizer_config.json"),
-        dir.join("tokenizer_config.json"),
-    )
-    .unwrap();
-    let mut cfg = config_json(&spec);
-    cfg["bos_token_id"] = 151643.into();
-    cfg["eos_token_id"] = 151645.into();
-    cfg["mask_token_id"] = 151670.into();
-    fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-
     let out = tmp.path().join("r.gguf");
     convert(&dir, &out, "q8_0", &[]);
     let f = GgufFile::open(&out).unwrap();

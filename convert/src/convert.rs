@@ -193,6 +193,12 @@ fn metadata(
         }
     }
     md.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)));
+    // Not a llama.cpp key: lets our runtime rebuild the tokenizer exactly (llama.cpp's
+    // qwen2 pre-tokenizer does not normalize; the Hugging Face tokenizers do NFC).
+    md.push((
+        "refusion.tokenizer.normalizer".into(),
+        Value::String(vocab.normalizer.into()),
+    ));
     if let Some(t) = &vocab.chat_template {
         md.push(("tokenizer.chat_template".into(), Value::String(t.clone())));
     }

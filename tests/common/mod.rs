@@ -366,3 +366,40 @@ pub fn gguf_name(hf: &str) -> String {
         }
     }
 }
+
+/// A tiny model with the real ReFusion vocabulary (151671 ids, `<|mask|>` 151670) and the real
+/// tokenizer in the given layout.
+pub fn build_refusion_vocab_checkpoint(dir: &Path, layout: TokLayout) {
+    let spec = Tiny {
+        hidden: 32,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 16,
+        ffn: 64,
+        layers: 1,
+        vocab: 151671,
+        tied: true,
+        ..Default::default()
+    };
+    build_checkpoint(dir, &spec);
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        let _ = fs::remove_file(dir.join(f));
+    }
+    let real = fixtures().join("tokenizers/refusion");
+    match layout {
+        TokLayout::Fast => {
+            fs::copy(real.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+        }
+        TokLayout::Slow => write_slow_tokenizer(&real.join("tokenizer.json"), dir),
+    }
+    fs::copy(
+        real.join("tokenizer_config.json"),
+        dir.join("tokenizer_config.json"),
+    )
+    .unwrap();
+    let mut cfg = config_json(&spec);
+    cfg["bos_token_id"] = 151643.into();
+    cfg["eos_token_id"] = 151645.into();
+    cfg["mask_token_id"] = 151670.into();
+    fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+}

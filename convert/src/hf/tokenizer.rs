@@ -33,6 +33,8 @@ pub struct GgufVocab {
     pub chat_template: Option<String>,
     /// Which layout it came from, for the log.
     pub source: &'static str,
+    /// The text normalizer the original tokenizer applies: "nfc" or "none".
+    pub normalizer: &'static str,
     /// Things worth telling the user (e.g. no mask token found).
     pub warnings: Vec<String>,
 }
@@ -110,8 +112,19 @@ impl GgufVocab {
         };
 
         let fast = dir.join("tokenizer.json");
+        let mut normalizer = "nfc";
         let (vocab, merges, added, source) = if fast.is_file() {
             let json: Json = read_json(&fast)?;
+            normalizer = match json.get("normalizer") {
+                None | Some(Json::Null) => "none",
+                Some(n) if n.get("type").and_then(|t| t.as_str()) == Some("NFC") => "nfc",
+                Some(n) => {
+                    return Err(Error::bad(
+                        &fast,
+                        format!("normalizer {n} is not supported (Qwen uses NFC or none)"),
+                    ))
+                }
+            };
             let model = json
                 .get("model")
                 .ok_or_else(|| Error::bad(&fast, "no 'model' section"))?;
@@ -311,6 +324,7 @@ impl GgufVocab {
             mask_id,
             chat_template,
             source,
+            normalizer,
             warnings,
         })
     }

@@ -1,0 +1,207 @@
+//! The tokenizer, rebuilt from a GGUF's `tokenizer.ggml.*` metadata with the `tokenizers`
+//! crate, so that a GGUF file is all a user needs. It tokenizes exactly as the model's original
+//! `tokenizer.json` (tested with the real Qwen3/ReFusion tokenizer).
+
+use refusion_convert::gguf::{GgufHeader, Value};
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::unicode::NFC;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+use crate::error::{Error, Result};
+
+/// The pre-tokenizer split of Qwen2/Qwen3 (llama.cpp's `qwen2` pre-tokenizer).
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Our converter records the original tokenizer's normalizer here ("nfc" or "none").
+pub const NORMALIZER_KEY: &str = "refusion.tokenizer.normalizer";
+
+const TOKEN_CONTROL: i32 = 3;
+const TOKEN_USER_DEFINED: i32 = 4;
+const TOKEN_UNUSED: i32 = 5;
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    vocab_size: usize,
+    pub eos_id: Option<u32>,
+    pub bos_id: Option<u32>,
+    pub mask_id: Option<u32>,
+    /// Control tokens (chat markers, mask, ...), which decoding can skip.
+    special: Vec<bool>,
+}
+
+fn strings<'a>(h: &'a GgufHeader, key: &str) -> Result<Vec<&'a str>> {
+    h.get(key)
+        .and_then(Value::as_array)
+        .ok_or_else(|| Error::msg(format!("metadata key {key} is missing or not an array")))?
+        .iter()
+        .map(|v| {
+            v.as_str()
+                .ok_or_else(|| Error::msg(format!("{key} holds a non-string")))
+        })
+        .collect()
+}
+
+fn token_id(h: &GgufHeader, key: &str, n: usize) -> Result<Option<u32>> {
+    match h.get(key) {
+        None => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(id) if (id as usize) < n => Ok(Some(id as u32)),
+            _ => Err(Error::msg(format!(
+                "{key} = {v} is not a token id of this vocabulary ({n} tokens)"
+            ))),
+        },
+    }
+}
+
+impl Tokenizer {
+    pub fn from_gguf(h: &GgufHeader) -> Result<Tokenizer> {
+        let model = h
+            .get("tokenizer.ggml.model")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let pre = h
+            .get("tokenizer.ggml.pre")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        if model != "gpt2" || pre != "qwen2" {
+            return Err(Error::msg(format!(
+                "tokenizer '{model}' with pre-tokenizer '{pre}' is not supported (expected gpt2 / qwen2)"
+            )));
+        }
+        let tokens = strings(h, "tokenizer.ggml.tokens")?;
+        let merges = strings(h, "tokenizer.ggml.merges")?;
+        let types: Vec<i32> = match h.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+            Some(a) => a
+                .iter()
+                .map(|v| match v {
+                    Value::I32(t) => Ok(*t),
+                    other => Err(Error::msg(format!(
+                        "tokenizer.ggml.token_type holds {other}"
+                    ))),
+                })
+                .collect::<Result<_>>()?,
+            None => vec![1; tokens.len()],
+        };
+        if types.len() != tokens.len() {
+            return Err(Error::msg(format!(
+                "tokenizer.ggml.token_type has {} entries for {} tokens",
+                types.len(),
+                tokens.len()
+            )));
+        }
+
+        let mut vocab = tokenizers::models::bpe::Vocab::default();
+        let mut special = vec![false; tokens.len()];
+        let mut added = Vec::new();
+        for (id, (&text, &ty)) in tokens.iter().zip(&types).enumerate() {
+            match ty {
+                TOKEN_UNUSED => {}
+                TOKEN_CONTROL => {
+                    special[id] = true;
+                    added.push((
+                        id,
+                        AddedToken::from(text.to_string(), true).normalized(false),
+                    ));
+                }
+                TOKEN_USER_DEFINED => added.push((
+                    id,
+                    AddedToken::from(text.to_string(), false).normalized(false),
+                )),
+                _ => {
+                    vocab.insert(text.to_string(), id as u32);
+                }
+            }
+        }
+        let merges: Vec<(String, String)> = merges
+            .iter()
+            .map(|m| {
+                let (a, b) = m
+                    .split_once(' ')
+                    .ok_or_else(|| Error::msg(format!("malformed merge {m:?}")))?;
+                Ok((a.to_string(), b.to_string()))
+            })
+            .collect::<Result<_>>()?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| Error::msg(format!("building the BPE tokenizer: {e}")))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let normalizer = h
+            .get(NORMALIZER_KEY)
+            .and_then(Value::as_str)
+            .unwrap_or("nfc");
+        if normalizer == "nfc" {
+            inner.with_normalizer(Some(NFC));
+        }
+        let split = Split::new(
+            SplitPattern::Regex(QWEN2_PATTERN.into()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| Error::msg(format!("pre-tokenizer pattern: {e}")))?;
+        let pre = Sequence::new(vec![
+            PreTokenizerWrapper::Split(split),
+            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)),
+        ]);
+        inner.with_pre_tokenizer(Some(pre));
+        inner.with_decoder(Some(ByteLevelDecoder::new(false, false, false)));
+        // Added tokens must keep their ids: register them in id order.
+        added.sort_by_key(|(id, _)| *id);
+        for (id, tok) in added {
+            let is_special = special[id];
+            if is_special {
+                inner.add_special_tokens(&[tok]);
+            } else {
+                inner.add_tokens(&[tok]);
+            }
+            if inner.token_to_id(tokens[id]) != Some(id as u32) {
+                return Err(Error::msg(format!(
+                    "added token {:?} does not keep its id {id}",
+                    tokens[id]
+                )));
+            }
+        }
+        let n = tokens.len();
+        Ok(Tokenizer {
+            inner,
+            vocab_size: n,
+            eos_id: token_id(h, "tokenizer.ggml.eos_token_id", n)?,
+            bos_id: token_id(h, "tokenizer.ggml.bos_token_id", n)?,
+            mask_id: token_id(h, "tokenizer.ggml.mask_token_id", n)?,
+            special,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Token ids of `text`; special tokens written in the text are recognised.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::msg(format!("tokenizing: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`; control tokens are dropped when `skip_special`. Ids without a token
+    /// (padding rows of the embedding) decode to nothing.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| Error::msg(format!("detokenizing: {e}")))
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    pub fn token_to_id(&self, text: &str) -> Option<u32> {
+        self.inner.token_to_id(text)
+    }
+}
