@@ -8,5 +8,6 @@ pub mod cli;
 pub mod error;
 pub mod kv;
 pub mod model;
+pub mod runtime;
 
 pub use refusion_convert as convert;

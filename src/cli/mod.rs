@@ -1,6 +1,8 @@
 //! The `refusion` command line.
 
+mod bench;
 mod convert_cmd;
+pub mod model_args;
 
 use clap::{Parser, Subcommand};
 
@@ -23,6 +25,8 @@ enum Command {
     Quantize(convert_cmd::QuantizeArgs),
     /// Print a GGUF file's metadata and tensor table.
     Info(convert_cmd::InfoArgs),
+    /// Measure forward throughput (llama-bench's table).
+    Bench(bench::BenchArgs),
 }
 
 /// Runs the command line and returns the process exit code.
@@ -32,6 +36,7 @@ pub fn main() -> i32 {
         Command::Convert(args) => convert_cmd::convert(args),
         Command::Quantize(args) => convert_cmd::quantize(args),
         Command::Info(args) => convert_cmd::info(args),
+        Command::Bench(args) => bench::run(args),
     };
     match result {
         Ok(()) => 0,
@@ -49,9 +54,12 @@ pub fn main() -> i32 {
     }
 }
 
-/// Sizes rayon's pool (`-t`); 0 or absent keeps one thread per core.
+/// Sizes the thread pools (`-t`): rayon's global pool, which our kernels and candle's quantized
+/// matmuls use, and candle's own count for its f32 matmuls. 0 or absent: one thread per core.
 pub(crate) fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
     if let Some(n) = threads.filter(|&n| n > 0) {
+        // candle reads RAYON_NUM_THREADS for its gemm parallelism; set before any use.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()

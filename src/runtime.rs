@@ -1,0 +1,151 @@
+//! Loading a model for running: the GGUF map, the weights on a device, the tokenizer and a
+//! KV cache sized for the context, with a one-line report of what was loaded.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::Device;
+use refusion_convert::gguf::GgufFile;
+
+use crate::chat::Tokenizer;
+use crate::error::{Error, Result};
+use crate::kv::{CacheType, KvCache};
+use crate::model::{Forward, Qwen3};
+
+/// Where the forward runs (`--device`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceChoice {
+    Cpu,
+    Cuda(usize),
+    /// CUDA when a GPU is there, else the CPU.
+    Auto,
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "auto" => Ok(DeviceChoice::Auto),
+            "cuda" => Ok(DeviceChoice::Cuda(0)),
+            _ => match s.strip_prefix("cuda:").map(str::parse) {
+                Some(Ok(n)) => Ok(DeviceChoice::Cuda(n)),
+                _ => Err(format!(
+                    "unknown device '{s}' (expected cpu, cuda, cuda:N or auto)"
+                )),
+            },
+        }
+    }
+}
+
+impl DeviceChoice {
+    /// The candle device, or a clear error when the build or the machine has no GPU.
+    pub fn open(&self) -> Result<Device> {
+        match self {
+            DeviceChoice::Cpu => Ok(Device::Cpu),
+            DeviceChoice::Cuda(n) => open_cuda(*n),
+            DeviceChoice::Auto => match open_cuda(0) {
+                Ok(d) => Ok(d),
+                Err(e) => {
+                    if cfg!(feature = "cuda") {
+                        eprintln!("no usable GPU ({e}); running on the CPU");
+                    }
+                    Ok(Device::Cpu)
+                }
+            },
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(n: usize) -> Result<Device> {
+    Device::new_cuda(n).map_err(|e| Error::msg(format!("cannot open CUDA device {n}: {e}")))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_n: usize) -> Result<Device> {
+    Err(Error::msg(
+        "this refusion was built without CUDA (rebuild with `--features cuda`)",
+    ))
+}
+
+/// How to load a model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub path: PathBuf,
+    /// Context size in entries; 0 means the model's trained context.
+    pub context: usize,
+    pub cache_type: CacheType,
+    pub kv_file: Option<PathBuf>,
+    pub device: DeviceChoice,
+    pub verbose: bool,
+}
+
+pub struct Loaded {
+    pub file: Arc<GgufFile>,
+    pub model: Qwen3,
+    pub tokenizer: Tokenizer,
+    pub cache: KvCache,
+    pub load_seconds: f64,
+}
+
+/// Resident memory of this process in bytes (Linux), for reports.
+pub fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub fn load(opts: &LoadOptions) -> Result<Loaded> {
+    let start = Instant::now();
+    let file = Arc::new(GgufFile::open(&opts.path)?);
+    let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
+    let tokenizer = Tokenizer::from_gguf(&file.header).map_err(in_file)?;
+    let device = opts.device.open()?;
+    let model = Qwen3::load(file.clone(), &device).map_err(in_file)?;
+    let cfg = model.config();
+    if tokenizer.vocab_size() > cfg.vocab {
+        return Err(in_file(Error::msg(format!(
+            "the tokenizer has {} tokens but the model only {} embedding rows",
+            tokenizer.vocab_size(),
+            cfg.vocab
+        ))));
+    }
+    let context = if opts.context == 0 {
+        cfg.context_length
+    } else {
+        opts.context
+    };
+    let shape = model.cache_shape(context);
+    let cache = match &opts.kv_file {
+        Some(p) => KvCache::with_file(shape, opts.cache_type, p)?,
+        None => KvCache::new(shape, opts.cache_type)?,
+    };
+    let load_seconds = start.elapsed().as_secs_f64();
+    if opts.verbose {
+        let per_token = shape.bytes_per_token(opts.cache_type);
+        eprintln!(
+            "loaded {} ({} layers, hidden {}, vocab {}) on {:?} in {:.2} s; KV cache: {} entries x {} bytes per token ({:?}, {:.1} MiB{})",
+            Path::new(&opts.path).display(),
+            cfg.n_layers,
+            cfg.hidden,
+            cfg.vocab,
+            device.location(),
+            load_seconds,
+            context,
+            per_token,
+            opts.cache_type,
+            (per_token * context) as f64 / (1 << 20) as f64,
+            opts.kv_file.as_ref().map(|p| format!(", file {}", p.display())).unwrap_or_default(),
+        );
+    }
+    Ok(Loaded {
+        file,
+        model,
+        tokenizer,
+        cache,
+        load_seconds,
+    })
+}
