@@ -5,6 +5,7 @@
 
 pub mod chat;
 pub mod cli;
+pub mod decode;
 pub mod error;
 pub mod kv;
 pub mod model;

@@ -48,8 +48,11 @@ impl DecodingDefaults {
                 "gen length ({l}), slot size ({k}) and serial blocks ({b}) must all be positive"
             ));
         }
+        // The reference's rule: the padded length, divided into `b` blocks (a remainder is
+        // silently never generated), must give blocks of whole slots.
         let padded = l.div_ceil(k) * k;
-        if padded % b != 0 || (padded / b) % k != 0 {
+        let block = padded / b;
+        if block == 0 || block % k != 0 {
             let works: Vec<String> = (1..=padded / k)
                 .filter(|&nb| padded % nb == 0 && (padded / nb) % k == 0)
                 .map(|nb| nb.to_string())

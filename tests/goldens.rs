@@ -1,0 +1,101 @@
+//! Every public golden case: our decoder at f32 gives exactly the reference's tokens and TPF.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::Device;
+use common::*;
+use refusion::convert::gguf::GgufFile;
+use refusion::decode::{generate, DecodeParams};
+use refusion::kv::{CacheType, KvCache};
+use refusion::model::Qwen3;
+use serde_json::Value;
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn params(case: &Value) -> DecodeParams {
+    DecodeParams {
+        gen_length: case["gen_length"].as_u64().unwrap() as u32,
+        slot_size: case["slot_size"].as_u64().unwrap() as u32,
+        serial_blocks: case["serial_num_blocks"].as_u64().unwrap() as u32,
+        slot_threshold: case["slot_threshold"].as_f64().unwrap() as f32,
+        token_threshold: case["token_threshold"].as_f64().unwrap() as f32,
+        temperature: case["temperature"].as_f64().unwrap(),
+        seed: 0,
+        eos_id: case["eos_id"].as_u64().unwrap() as u32,
+        mask_id: case["mask_id"].as_u64().unwrap() as u32,
+        reference_eos_bug: false,
+    }
+}
+
+#[test]
+fn every_public_golden_case_matches_exactly() {
+    let text = std::fs::read_to_string(fixtures().join("goldens_public.json")).unwrap();
+    let goldens: Value = serde_json::from_str(&text).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut models = HashMap::new();
+    for name in ["pub-a", "pub-b", "pub-c"] {
+        let out = tmp.path().join(format!("{name}.gguf"));
+        let o = run(&[
+            "convert",
+            fixture_model(name).to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--outtype",
+            "f32",
+            "-q",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let model = Qwen3::load(Arc::new(GgufFile::open(&out).unwrap()), &Device::Cpu).unwrap();
+        models.insert(name.to_string(), model);
+    }
+    let mut failures = Vec::new();
+    let cases = goldens["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 111, "the public golden set");
+    for case in cases {
+        let id = case["id"].as_str().unwrap();
+        let model = &models[case["model"].as_str().unwrap()];
+        let prompt = ids(&case["prompt_ids"]);
+        let p = params(case);
+        let capacity = prompt.len() + 2 * p.padded_gen_length() as usize + 8;
+        let mut cache = KvCache::new(model.cache_shape(capacity), CacheType::F32).unwrap();
+        let r = generate(model, &mut cache, &prompt, &p, &mut |_| {}).unwrap();
+        let want = ids(&case["tokens"]);
+        let want_tpf = case["tpf"].as_f64().unwrap();
+        if r.tokens != want || (r.tpf - want_tpf).abs() > 1e-6 {
+            failures.push(format!(
+                "{id}: tokens {:?} tpf {} (want {:?} tpf {})",
+                r.tokens, r.tpf, want, want_tpf
+            ));
+            continue;
+        }
+        assert_eq!(
+            r.forward_calls as u64,
+            case["n_forward"].as_u64().unwrap(),
+            "{id}: forward calls"
+        );
+        // The seed's EOS-index bug, reproduced on request, gives the seed's output.
+        if let Some(bug) = case.get("seed_bug_tokens") {
+            let mut p = p.clone();
+            p.reference_eos_bug = true;
+            let mut cache = KvCache::new(model.cache_shape(capacity), CacheType::F32).unwrap();
+            let r = generate(model, &mut cache, &prompt, &p, &mut |_| {}).unwrap();
+            assert_eq!(r.tokens, ids(bug), "{id}: seed bug tokens");
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases differ:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
