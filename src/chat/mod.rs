@@ -1,5 +1,7 @@
-//! Text in and out: the tokenizer (and, later, the chat template).
+//! Text in and out: the tokenizer and the chat template.
 
+pub mod template;
 pub mod tokenizer;
 
+pub use template::{ChatTemplate, Message};
 pub use tokenizer::Tokenizer;
