@@ -86,8 +86,36 @@ pub struct Loaded {
     pub file: Arc<GgufFile>,
     pub model: Qwen3,
     pub tokenizer: Tokenizer,
-    pub cache: KvCache,
     pub load_seconds: f64,
+    /// The context (`-c`) in tokens: prompt plus answer.
+    pub context: usize,
+    cache_type: CacheType,
+    kv_file: Option<PathBuf>,
+    verbose: bool,
+}
+
+impl Loaded {
+    /// A KV cache of `capacity` entries (the context plus any scratch the caller needs).
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        let shape = self.model.cache_shape(capacity);
+        let cache = match &self.kv_file {
+            Some(p) => KvCache::with_file(shape, self.cache_type, p)?,
+            None => KvCache::new(shape, self.cache_type)?,
+        };
+        if self.verbose {
+            let per_token = shape.bytes_per_token(self.cache_type);
+            eprintln!(
+                "KV cache: {capacity} entries x {per_token} bytes per token ({:?}, {:.1} MiB{})",
+                self.cache_type,
+                (per_token * capacity) as f64 / (1 << 20) as f64,
+                self.kv_file
+                    .as_ref()
+                    .map(|p| format!(", file {}", p.display()))
+                    .unwrap_or_default(),
+            );
+        }
+        Ok(cache)
+    }
 }
 
 /// Resident memory of this process in bytes (Linux), for reports.
@@ -118,34 +146,26 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
     } else {
         opts.context
     };
-    let shape = model.cache_shape(context);
-    let cache = match &opts.kv_file {
-        Some(p) => KvCache::with_file(shape, opts.cache_type, p)?,
-        None => KvCache::new(shape, opts.cache_type)?,
-    };
     let load_seconds = start.elapsed().as_secs_f64();
     if opts.verbose {
-        let per_token = shape.bytes_per_token(opts.cache_type);
         eprintln!(
-            "loaded {} ({} layers, hidden {}, vocab {}) on {:?} in {:.2} s; KV cache: {} entries x {} bytes per token ({:?}, {:.1} MiB{})",
+            "loaded {} ({} layers, hidden {}, vocab {}) on {:?} in {:.2} s",
             Path::new(&opts.path).display(),
             cfg.n_layers,
             cfg.hidden,
             cfg.vocab,
             device.location(),
             load_seconds,
-            context,
-            per_token,
-            opts.cache_type,
-            (per_token * context) as f64 / (1 << 20) as f64,
-            opts.kv_file.as_ref().map(|p| format!(", file {}", p.display())).unwrap_or_default(),
         );
     }
     Ok(Loaded {
         file,
         model,
         tokenizer,
-        cache,
         load_seconds,
+        context,
+        cache_type: opts.cache_type,
+        kv_file: opts.kv_file.clone(),
+        verbose: opts.verbose,
     })
 }

@@ -46,7 +46,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut opts = a.model.load_options(!a.json);
     let largest = a.n_tokens.iter().copied().max().unwrap_or(1);
     opts.context = opts.context.max(a.prefix + largest);
-    let mut loaded = load(&opts)?;
+    let loaded = load(&opts)?;
+    let mut cache = loaded.new_cache(loaded.context)?;
     let rss = resident_bytes();
     let cfg = loaded.model.config().clone();
     let vocab = cfg.vocab as u32;
@@ -75,7 +76,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let size: u64 = loaded.file.header.tensors.iter().map(|t| t.n_bytes).sum();
 
     // The shared prefix, committed once.
-    let cache = &mut loaded.cache;
+    let cache = &mut cache;
     if a.prefix > 0 {
         let toks: Vec<u32> = (0..a.prefix as u32)
             .map(|i| (i * 7919 + 13) % vocab)

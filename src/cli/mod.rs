@@ -2,6 +2,7 @@
 
 mod bench;
 mod convert_cmd;
+pub mod generate;
 pub mod model_args;
 
 use clap::{Parser, Subcommand};
@@ -25,6 +26,8 @@ enum Command {
     Quantize(convert_cmd::QuantizeArgs),
     /// Print a GGUF file's metadata and tensor table.
     Info(convert_cmd::InfoArgs),
+    /// Generate an answer with ReFusion's slot decoding.
+    Generate(generate::GenerateArgs),
     /// Measure forward throughput (llama-bench's table).
     Bench(bench::BenchArgs),
 }
@@ -36,6 +39,7 @@ pub fn main() -> i32 {
         Command::Convert(args) => convert_cmd::convert(args),
         Command::Quantize(args) => convert_cmd::quantize(args),
         Command::Info(args) => convert_cmd::info(args),
+        Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
     };
     match result {

@@ -1,0 +1,394 @@
+//! `refusion generate`: one answer from a prompt, streamed as the committed prefix grows.
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{ArgGroup, Args};
+use refusion_convert::decoding::{
+    KEY_GEN_LENGTH, KEY_SERIAL_BLOCKS, KEY_SLOT_SIZE, KEY_SLOT_THRESHOLD, KEY_TOKEN_THRESHOLD,
+};
+use refusion_convert::gguf::{GgufHeader, Value};
+use refusion_convert::DecodingDefaults;
+
+use super::model_args::ModelArgs;
+use crate::chat::{ChatTemplate, Message, Tokenizer};
+use crate::decode::{generate, DecodeParams, Event};
+use crate::runtime::load;
+
+#[derive(Args)]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "file", "prompt_ids"])))]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt text (sent through the model's chat template unless --no-chat-template).
+    #[arg(short = 'p', long)]
+    prompt: Option<String>,
+    /// Read the prompt text from a file.
+    #[arg(short = 'f', long)]
+    file: Option<PathBuf>,
+    /// Prompt as token ids, fed as they are (no template).
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// A system message for the chat template.
+    #[arg(long)]
+    system: Option<String>,
+    /// Tokenize the prompt text as it is, without the chat template.
+    #[arg(long)]
+    no_chat_template: bool,
+    /// Tokens to generate (rounded up to whole slots) [default: from the file, else 512].
+    #[arg(short = 'n', long)]
+    gen_length: Option<u32>,
+    /// Tokens per slot [default: from the file, else 4].
+    #[arg(long)]
+    slot_size: Option<u32>,
+    /// Serial blocks the answer is decoded in, left to right [default: from the file, else 32].
+    #[arg(long)]
+    serial_blocks: Option<u32>,
+    /// Slots whose first token is more likely than this are drafted together [default: 0.6].
+    #[arg(long)]
+    slot_threshold: Option<f32>,
+    /// Tokens more likely than this are accepted in verification [default: 0.3].
+    #[arg(long)]
+    token_threshold: Option<f32>,
+    /// Temperature of the planning drafts (0: greedy).
+    #[arg(long = "temp", default_value_t = 0.0)]
+    temperature: f64,
+    /// Seed of the sampling noise.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print one JSON object with the tokens, text and figures instead of streaming text.
+    #[arg(long)]
+    json: bool,
+    /// Show the canvas live: masks, drafts, verified and committed slots.
+    #[arg(long)]
+    visual: bool,
+}
+
+/// The `refusion.*` decoding defaults of a file, else the model card's.
+pub fn file_defaults(h: &GgufHeader) -> DecodingDefaults {
+    let d = DecodingDefaults::default();
+    let u = |k: &str, v: u32| {
+        h.get(k)
+            .and_then(Value::as_u64)
+            .map(|x| x as u32)
+            .unwrap_or(v)
+    };
+    let f = |k: &str, v: f32| {
+        h.get(k)
+            .and_then(Value::as_f64)
+            .map(|x| x as f32)
+            .unwrap_or(v)
+    };
+    DecodingDefaults {
+        gen_length: u(KEY_GEN_LENGTH, d.gen_length),
+        slot_size: u(KEY_SLOT_SIZE, d.slot_size),
+        serial_blocks: u(KEY_SERIAL_BLOCKS, d.serial_blocks),
+        slot_threshold: f(KEY_SLOT_THRESHOLD, d.slot_threshold),
+        token_threshold: f(KEY_TOKEN_THRESHOLD, d.token_threshold),
+    }
+}
+
+/// The prompt's token ids, through the chat template where there is text.
+pub fn prompt_tokens(
+    tokenizer: &Tokenizer,
+    header: &GgufHeader,
+    text: &str,
+    system: Option<&str>,
+    use_template: bool,
+) -> Result<Vec<u32>> {
+    if text.trim().is_empty() {
+        bail!("the prompt is empty");
+    }
+    if !use_template {
+        return Ok(tokenizer.encode(text)?);
+    }
+    let source = header
+        .get("tokenizer.chat_template")
+        .and_then(Value::as_str)
+        .context(
+            "the model file has no chat template; pass --no-chat-template to use the text as it is",
+        )?;
+    let template = ChatTemplate::new(source)?;
+    let mut messages = Vec::new();
+    if let Some(s) = system {
+        messages.push(Message::new("system", s));
+    }
+    messages.push(Message::new("user", text));
+    Ok(tokenizer.encode(&template.render(&messages, true)?)?)
+}
+
+/// Streams the contiguous committed prefix of the answer as text.
+struct Streamer<'t> {
+    tokenizer: &'t Tokenizer,
+    prompt_len: u32,
+    eos: u32,
+    committed: BTreeMap<u32, u32>,
+    prefix: Vec<u32>,
+    printed: usize,
+    done: bool,
+}
+
+impl Streamer<'_> {
+    fn commit(&mut self, positions: &[u32], tokens: &[u32]) -> Option<String> {
+        for (&p, &t) in positions.iter().zip(tokens) {
+            self.committed.insert(p, t);
+        }
+        let before = self.prefix.len();
+        while !self.done {
+            let next = self.prompt_len + self.prefix.len() as u32;
+            match self.committed.get(&next) {
+                Some(&t) if t == self.eos => self.done = true,
+                Some(&t) => self.prefix.push(t),
+                None => break,
+            }
+        }
+        if self.prefix.len() == before {
+            return None;
+        }
+        let text = self.tokenizer.decode(&self.prefix, true).ok()?;
+        // Hold back an incomplete UTF-8 sequence (a token boundary inside a character).
+        let stable = text.trim_end_matches('\u{FFFD}');
+        if stable.len() <= self.printed {
+            return None;
+        }
+        let new = stable[self.printed..].to_string();
+        self.printed = stable.len();
+        Some(new)
+    }
+}
+
+/// The `--visual` canvas: one cell per generated position.
+struct Canvas {
+    prompt_len: u32,
+    cells: Vec<(char, String)>,
+}
+
+impl Canvas {
+    fn set(&mut self, pos: u32, state: char, text: String) {
+        if let Some(c) = self.cells.get_mut((pos - self.prompt_len) as usize) {
+            if c.0 != 'C' {
+                *c = (state, text);
+            }
+        }
+    }
+
+    fn draw(&self, out: &mut impl Write) {
+        let mut s = String::from("\x1b[2J\x1b[H");
+        for (state, text) in &self.cells {
+            let shown = text.replace('\n', "⏎");
+            match state {
+                'C' => s.push_str(&shown),
+                'V' => s.push_str(&format!("\x1b[32m{shown}\x1b[0m")),
+                'D' => s.push_str(&format!("\x1b[2m{shown}\x1b[0m")),
+                _ => s.push('░'),
+            }
+        }
+        s.push_str(
+            "\n\n\x1b[0mcommitted  \x1b[32mverified\x1b[0m  \x1b[2mdrafted\x1b[0m  ░ masked\n",
+        );
+        let _ = out.write_all(s.as_bytes());
+        let _ = out.flush();
+    }
+}
+
+/// An f32 as the f64 with the same shortest decimal form (0.6, not 0.6000000238).
+fn as_f64(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
+pub fn run(a: GenerateArgs) -> Result<()> {
+    super::set_threads(a.model.threads)?;
+    let start = Instant::now();
+    let loaded = load(&a.model.load_options(true))?;
+    let tok = &loaded.tokenizer;
+    let header = &loaded.file.header;
+
+    let d = file_defaults(header);
+    let eos = tok
+        .eos_id
+        .context("the model file has no EOS token (tokenizer.ggml.eos_token_id)")?;
+    let mask = tok.mask_id.context(
+        "the model file has no mask token (tokenizer.ggml.mask_token_id): not a ReFusion model",
+    )?;
+    let mut params = DecodeParams::new(d, eos, mask);
+    params.gen_length = a.gen_length.unwrap_or(d.gen_length);
+    params.slot_size = a.slot_size.unwrap_or(d.slot_size);
+    params.serial_blocks = a.serial_blocks.unwrap_or(d.serial_blocks);
+    params.slot_threshold = a.slot_threshold.unwrap_or(d.slot_threshold);
+    params.token_threshold = a.token_threshold.unwrap_or(d.token_threshold);
+    params.temperature = a.temperature;
+    params.seed = a.seed;
+    params.validate()?;
+    if params.dropped_tail() > 0 {
+        eprintln!(
+            "note: the last {} positions do not fill a serial block and are not generated (as in the reference)",
+            params.dropped_tail()
+        );
+    }
+
+    let prompt = match (&a.prompt_ids, &a.prompt, &a.file) {
+        (Some(ids), _, _) => {
+            if ids.is_empty() {
+                bail!("the prompt is empty");
+            }
+            ids.clone()
+        }
+        (_, Some(text), _) => {
+            prompt_tokens(tok, header, text, a.system.as_deref(), !a.no_chat_template)?
+        }
+        (_, _, Some(path)) => {
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
+            prompt_tokens(tok, header, &text, a.system.as_deref(), !a.no_chat_template)?
+        }
+        _ => bail!("give a prompt with -p, -f or --prompt-ids"),
+    };
+    let gen = params.padded_gen_length() as usize;
+    if prompt.len() + gen > loaded.context {
+        bail!(
+            "the prompt ({} tokens) and the gen length ({gen}) need {} tokens, more than the context of {} (raise -c or lower -n)",
+            prompt.len(),
+            prompt.len() + gen,
+            loaded.context
+        );
+    }
+    let block = gen / params.serial_blocks as usize;
+    let mut cache = loaded.new_cache(loaded.context + block)?;
+
+    let prompt_len = prompt.len() as u32;
+    let mut streamer = Streamer {
+        tokenizer: tok,
+        prompt_len,
+        eos,
+        committed: BTreeMap::new(),
+        prefix: Vec::new(),
+        printed: 0,
+        done: false,
+    };
+    let visual = a.visual && !a.json;
+    let mut canvas = Canvas {
+        prompt_len,
+        cells: vec![(' ', String::new()); gen],
+    };
+    let stream = !a.json && !visual;
+    let mut stdout = std::io::stdout();
+    let decode_start = Instant::now();
+    let piece = |t: u32| tok.decode(&[t], false).unwrap_or_default();
+    let result = generate(
+        &loaded.model,
+        &mut cache,
+        &prompt,
+        &params,
+        &mut |ev| match ev {
+            Event::Committed { positions, tokens } => {
+                if visual {
+                    for (&p, &t) in positions.iter().zip(tokens) {
+                        canvas.set(p, 'C', piece(t));
+                    }
+                    canvas.draw(&mut stdout);
+                } else if stream {
+                    if let Some(text) = streamer.commit(positions, tokens) {
+                        let _ = stdout.write_all(text.as_bytes());
+                        let _ = stdout.flush();
+                    }
+                }
+            }
+            Event::Planned {
+                slot_starts,
+                slot_size,
+                tokens,
+            } if visual => {
+                for (s, &start) in slot_starts.iter().enumerate() {
+                    for j in 0..slot_size {
+                        canvas.set(start + j as u32, 'D', piece(tokens[s * slot_size + j]));
+                    }
+                }
+                canvas.draw(&mut stdout);
+            }
+            Event::Infill {
+                slot_starts,
+                tokens,
+                tags,
+            } if visual => {
+                for (r, &start) in slot_starts.iter().enumerate() {
+                    for (j, &t) in tokens[r].iter().enumerate() {
+                        canvas.set(
+                            start + j as u32,
+                            if tags[r][j] { 'V' } else { 'D' },
+                            piece(t),
+                        );
+                    }
+                }
+                canvas.draw(&mut stdout);
+            }
+            _ => {}
+        },
+    )?;
+    let decode_s = decode_start.elapsed().as_secs_f64();
+    let text = tok.decode(result.answer(), true)?;
+    let n_gen = result.tokens.len();
+    let tps = n_gen as f64 / decode_s.max(1e-9);
+    if a.json {
+        let obj = serde_json::json!({
+            "tokens": result.tokens,
+            "positions": result.positions,
+            "text": text,
+            "answer_tokens": result.answer().len(),
+            "eos_found": result.eos_index.is_some(),
+            "tpf": result.tpf,
+            "forward_calls": result.forward_calls,
+            "forward_tokens": result.forward_tokens,
+            "prompt_tokens": prompt.len(),
+            "params": {
+                "gen_length": params.gen_length,
+                "slot_size": params.slot_size,
+                "serial_blocks": params.serial_blocks,
+                "slot_threshold": as_f64(params.slot_threshold),
+                "token_threshold": as_f64(params.token_threshold),
+                "temperature": params.temperature,
+                "seed": params.seed,
+            },
+            "timings": {
+                "load_ms": loaded.load_seconds * 1e3,
+                "generate_ms": decode_s * 1e3,
+                "total_ms": start.elapsed().as_secs_f64() * 1e3,
+                "tokens_per_s": tps,
+            },
+        });
+        println!("{obj}");
+    } else {
+        if visual {
+            println!("\n{text}");
+        } else {
+            println!();
+        }
+        if std::io::stderr().is_terminal() || !a.json {
+            eprintln!();
+            eprintln!(
+                "refusion: load time     = {:>10.2} ms",
+                loaded.load_seconds * 1e3
+            );
+            eprintln!("refusion: prompt        = {:>10} tokens", prompt.len());
+            eprintln!(
+                "refusion: generated     = {:>10} tokens ({}) in {:.2} ms, {:.2} tokens/s",
+                n_gen,
+                match result.eos_index {
+                    Some(i) => format!("answer: {i} before EOS"),
+                    None => "no EOS".to_string(),
+                },
+                decode_s * 1e3,
+                tps
+            );
+            eprintln!(
+                "refusion: forward calls = {:>10} ({:.1} tokens per call), TPF {:.3}",
+                result.forward_calls,
+                result.forward_tokens as f64 / result.forward_calls.max(1) as f64,
+                result.tpf
+            );
+        }
+    }
+    Ok(())
+}

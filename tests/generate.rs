@@ -1,0 +1,275 @@
+//! `refusion generate`: the golden cases through the command line, parameter and prompt
+//! errors, and text prompts through the chat template with the real ReFusion tokenizer.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use common::*;
+use serde_json::Value;
+
+fn convert(dir: &Path, out: &Path, outtype: &str) {
+    let o = run(&[
+        "convert",
+        dir.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--outtype",
+        outtype,
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+fn json_of(o: &std::process::Output) -> Value {
+    assert!(o.status.success(), "generate failed:\n{}", stderr(o));
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}):\n{}", stdout(o)))
+}
+
+#[test]
+fn golden_cases_through_the_command_line() {
+    let text = std::fs::read_to_string(fixtures().join("goldens_public.json")).unwrap();
+    let goldens: Value = serde_json::from_str(&text).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut files: HashMap<String, PathBuf> = HashMap::new();
+    for name in ["pub-a", "pub-b", "pub-c"] {
+        let out = tmp.path().join(format!("{name}.gguf"));
+        convert(&fixture_model(name), &out, "f32");
+        files.insert(name.into(), out);
+    }
+    let cases = goldens["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 111);
+    for case in cases {
+        let id = case["id"].as_str().unwrap();
+        let ids: Vec<String> = case["prompt_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_string())
+            .collect();
+        let arg = |k: &str| case[k].to_string();
+        let model = files[case["model"].as_str().unwrap()]
+            .to_str()
+            .unwrap()
+            .to_string();
+        let o = run(&[
+            "generate",
+            "-m",
+            &model,
+            "--prompt-ids",
+            &ids.join(","),
+            "--temp",
+            "0",
+            "--json",
+            "-n",
+            &arg("gen_length"),
+            "--slot-size",
+            &arg("slot_size"),
+            "--serial-blocks",
+            &arg("serial_num_blocks"),
+            "--slot-threshold",
+            &arg("slot_threshold"),
+            "--token-threshold",
+            &arg("token_threshold"),
+            "-c",
+            "1024",
+        ]);
+        let j = json_of(&o);
+        assert_eq!(j["tokens"], case["tokens"], "{id}: tokens");
+        let tpf = j["tpf"].as_f64().unwrap();
+        assert!(
+            (tpf - case["tpf"].as_f64().unwrap()).abs() <= 1e-6,
+            "{id}: tpf {tpf}"
+        );
+        assert_eq!(j["forward_calls"], case["n_forward"], "{id}: forward calls");
+        assert_eq!(j["prompt_tokens"].as_u64().unwrap() as usize, ids.len());
+        // The answer stops at the first EOS by position.
+        let toks: Vec<u64> = case["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        let eos = case["eos_id"].as_u64().unwrap();
+        let answer = toks.iter().position(|&t| t == eos).unwrap_or(toks.len());
+        assert_eq!(
+            j["answer_tokens"].as_u64().unwrap() as usize,
+            answer,
+            "{id}: answer length"
+        );
+    }
+}
+
+#[test]
+fn parameter_and_prompt_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("a.gguf");
+    convert(&fixture_model("pub-a"), &m, "q8_0");
+    let m = m.to_str().unwrap();
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["--prompt-ids", "1,2", "-n", "512", "--serial-blocks", "3"],
+            &["serial blocks that work: 1, 2, 4, 8"],
+        ),
+        (
+            &["--prompt-ids", "1,2", "--slot-threshold", "1.5"],
+            &["slot threshold must be in [0, 1]"],
+        ),
+        (
+            &["--prompt-ids", "1,2", "--token-threshold=-0.1"],
+            &["token threshold must be in [0, 1]"],
+        ),
+        (
+            &["--prompt-ids", "1,2", "-n", "0"],
+            &["must all be positive"],
+        ),
+        (
+            &["--prompt-ids", "1,2", "--slot-size", "0"],
+            &["must all be positive"],
+        ),
+        (
+            &["--prompt-ids", "1,2", "--temp=-1"],
+            &["temperature must be >= 0"],
+        ),
+        (
+            &["--prompt-ids", "1,511,2"],
+            &["contains the mask token (511) at index 1"],
+        ),
+        (
+            &["--prompt-ids", "1,600"],
+            &["prompt token 600 is outside the vocabulary (512)"],
+        ),
+        (
+            &["--prompt-ids", "1,2", "-n", "512", "-c", "256"],
+            &["need 514 tokens, more than the context of 256"],
+        ),
+        (&["-p", "   "], &["the prompt is empty"]),
+        (&["-p", "x", "--prompt-ids", "1"], &["cannot be used with"]),
+        (&[], &["required"]),
+        (
+            &["-f", "/nonexistent/prompt.txt"],
+            &["/nonexistent/prompt.txt"],
+        ),
+    ];
+    for (args, needles) in cases {
+        let mut all = vec!["generate", "-m", m];
+        all.extend_from_slice(args);
+        assert_fails_with(&run(&all), needles);
+    }
+}
+
+#[test]
+fn text_prompts_through_the_chat_template_with_the_real_tokenizer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("refusion-tiny");
+    build_refusion_vocab_checkpoint(&dir, TokLayout::Slow);
+    let m = tmp.path().join("r.gguf");
+    convert(&dir, &m, "q8_0");
+    let m = m.to_str().unwrap();
+    let reference =
+        tokenizers::Tokenizer::from_file(fixtures().join("tokenizers/refusion/tokenizer.json"))
+            .unwrap();
+    let rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n";
+    let want = reference.encode(rendered, false).unwrap().get_ids().len();
+
+    let o = run(&[
+        "generate",
+        "-m",
+        m,
+        "-p",
+        "What is 2+2?",
+        "--system",
+        "Be brief.",
+        "-n",
+        "16",
+        "--slot-size",
+        "4",
+        "--serial-blocks",
+        "2",
+        "--json",
+    ]);
+    let j = json_of(&o);
+    assert_eq!(j["prompt_tokens"].as_u64().unwrap() as usize, want);
+    assert_eq!(j["tokens"].as_array().unwrap().len(), 16);
+    let ids: Vec<u32> = j["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let n = j["answer_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(
+        j["text"].as_str().unwrap(),
+        reference.decode(&ids[..n], true).unwrap()
+    );
+
+    // Without the template the text is tokenized as it is.
+    let o = run(&[
+        "generate",
+        "-m",
+        m,
+        "-p",
+        "What is 2+2?",
+        "--no-chat-template",
+        "-n",
+        "8",
+        "--slot-size",
+        "4",
+        "--serial-blocks",
+        "1",
+        "--json",
+    ]);
+    let j = json_of(&o);
+    assert_eq!(
+        j["prompt_tokens"].as_u64().unwrap() as usize,
+        reference.encode("What is 2+2?", false).unwrap().len()
+    );
+
+    // From a file, streamed as text, with timings on stderr; sampling is seeded.
+    let prompt = tmp.path().join("prompt.txt");
+    std::fs::write(&prompt, "Tell me a story.").unwrap();
+    let args = [
+        "generate",
+        "-m",
+        m,
+        "-f",
+        prompt.to_str().unwrap(),
+        "-n",
+        "16",
+        "--slot-size",
+        "4",
+        "--serial-blocks",
+        "2",
+        "--temp",
+        "0.8",
+        "--seed",
+        "7",
+    ];
+    let a = run(&args);
+    assert!(a.status.success(), "{}", stderr(&a));
+    assert!(stderr(&a).contains("refusion: forward calls"));
+    assert!(stderr(&a).contains("tokens/s"));
+    let b = run(&args);
+    assert_eq!(stdout(&a), stdout(&b), "same seed, same answer");
+
+    // --visual draws the canvas.
+    let o = run(&[
+        "generate",
+        "-m",
+        m,
+        "-p",
+        "Hi",
+        "-n",
+        "8",
+        "--slot-size",
+        "4",
+        "--serial-blocks",
+        "1",
+        "--visual",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("\x1b[2J"));
+    assert!(stdout(&o).contains("committed"));
+}
