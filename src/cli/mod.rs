@@ -2,6 +2,7 @@
 
 mod bench;
 mod convert_cmd;
+mod demo;
 pub mod generate;
 pub mod model_args;
 
@@ -26,6 +27,8 @@ enum Command {
     Quantize(convert_cmd::QuantizeArgs),
     /// Print a GGUF file's metadata and tensor table.
     Info(convert_cmd::InfoArgs),
+    /// Write a random ReFusion-shaped checkpoint, convert it and generate from it (no download).
+    Demo(demo::DemoArgs),
     /// Generate an answer with ReFusion's slot decoding.
     Generate(generate::GenerateArgs),
     /// Measure forward throughput (llama-bench's table).
@@ -39,6 +42,7 @@ pub fn main() -> i32 {
         Command::Convert(args) => convert_cmd::convert(args),
         Command::Quantize(args) => convert_cmd::quantize(args),
         Command::Info(args) => convert_cmd::info(args),
+        Command::Demo(args) => demo::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
     };
