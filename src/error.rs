@@ -8,6 +8,8 @@ pub enum Error {
     ContextFull { needed: usize, capacity: usize },
     #[error(transparent)]
     File(#[from] refusion_convert::Error),
+    #[error("cancelled")]
+    Cancelled,
     #[error("tensor computation failed: {0}")]
     Candle(#[from] candle_core::Error),
 }

@@ -10,5 +10,6 @@ pub mod error;
 pub mod kv;
 pub mod model;
 pub mod runtime;
+pub mod session;
 
 pub use refusion_convert as convert;

@@ -6,7 +6,7 @@
 
 use minijinja::value::{Kwargs, Value as JValue};
 use minijinja::{Environment, Error as JError, ErrorKind};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
@@ -15,7 +15,7 @@ const FUEL: u64 = 50_000_000;
 /// Largest rendered prompt accepted.
 const MAX_OUTPUT: usize = 64 << 20;
 
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Message {
     pub role: String,
     pub content: String,

@@ -119,6 +119,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 times.push(dt);
             }
         }
+        if !a.json && n == a.n_tokens[0] {
+            if let Some(rss) = resident_bytes() {
+                eprintln!("resident memory after the first forwards: {} (candle repacks some quantized weights on first use)", human_bytes(rss));
+            }
+        }
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
         let rates: Vec<f64> = times.iter().map(|t| n as f64 / t).collect();

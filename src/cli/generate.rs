@@ -1,8 +1,8 @@
 //! `refusion generate`: one answer from a prompt, streamed as the committed prefix grows.
 
-use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -14,9 +14,10 @@ use refusion_convert::gguf::{GgufHeader, Value};
 use refusion_convert::DecodingDefaults;
 
 use super::model_args::ModelArgs;
-use crate::chat::{ChatTemplate, Message, Tokenizer};
-use crate::decode::{generate, DecodeParams, Event};
+use crate::chat::{ChatTemplate, Message, TextStream, Tokenizer};
+use crate::decode::{DecodeParams, Event};
 use crate::runtime::load;
+use crate::session::Session;
 
 #[derive(Args)]
 #[command(group(ArgGroup::new("input").required(true).args(["prompt", "file", "prompt_ids"])))]
@@ -38,6 +39,23 @@ pub struct GenerateArgs {
     /// Tokenize the prompt text as it is, without the chat template.
     #[arg(long)]
     no_chat_template: bool,
+    #[command(flatten)]
+    decode: DecodeArgs,
+    /// Print one JSON object with the tokens, text and figures instead of streaming text.
+    #[arg(long)]
+    json: bool,
+    /// Show the canvas live: masks, drafts, verified and committed slots.
+    #[arg(long)]
+    visual: bool,
+    /// Save the prompt's KV cache to this file, and reuse it when a later prompt starts with
+    /// the same tokens (llama.cpp's --prompt-cache).
+    #[arg(long, value_name = "FILE")]
+    prompt_cache: Option<PathBuf>,
+}
+
+/// ReFusion's decoding knobs, shared by `generate`, `chat` and `serve`.
+#[derive(Args, Clone, Debug)]
+pub struct DecodeArgs {
     /// Tokens to generate (rounded up to whole slots) [default: from the file, else 512].
     #[arg(short = 'n', long)]
     gen_length: Option<u32>,
@@ -59,12 +77,35 @@ pub struct GenerateArgs {
     /// Seed of the sampling noise.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Print one JSON object with the tokens, text and figures instead of streaming text.
-    #[arg(long)]
-    json: bool,
-    /// Show the canvas live: masks, drafts, verified and committed slots.
-    #[arg(long)]
-    visual: bool,
+}
+
+impl DecodeArgs {
+    /// The parameters: these flags over the file's defaults over the model card's.
+    pub fn params(&self, header: &GgufHeader, tok: &Tokenizer) -> Result<DecodeParams> {
+        let d = file_defaults(header);
+        let eos = tok
+            .eos_id
+            .context("the model file has no EOS token (tokenizer.ggml.eos_token_id)")?;
+        let mask = tok.mask_id.context(
+            "the model file has no mask token (tokenizer.ggml.mask_token_id): not a ReFusion model",
+        )?;
+        let mut p = DecodeParams::new(d, eos, mask);
+        p.gen_length = self.gen_length.unwrap_or(d.gen_length);
+        p.slot_size = self.slot_size.unwrap_or(d.slot_size);
+        p.serial_blocks = self.serial_blocks.unwrap_or(d.serial_blocks);
+        p.slot_threshold = self.slot_threshold.unwrap_or(d.slot_threshold);
+        p.token_threshold = self.token_threshold.unwrap_or(d.token_threshold);
+        p.temperature = self.temperature;
+        p.seed = self.seed;
+        p.validate()?;
+        if p.dropped_tail() > 0 {
+            eprintln!(
+                "note: the last {} positions do not fill a serial block and are not generated (as in the reference)",
+                p.dropped_tail()
+            );
+        }
+        Ok(p)
+    }
 }
 
 /// The `refusion.*` decoding defaults of a file, else the model card's.
@@ -120,46 +161,6 @@ pub fn prompt_tokens(
     Ok(tokenizer.encode(&template.render(&messages, true)?)?)
 }
 
-/// Streams the contiguous committed prefix of the answer as text.
-struct Streamer<'t> {
-    tokenizer: &'t Tokenizer,
-    prompt_len: u32,
-    eos: u32,
-    committed: BTreeMap<u32, u32>,
-    prefix: Vec<u32>,
-    printed: usize,
-    done: bool,
-}
-
-impl Streamer<'_> {
-    fn commit(&mut self, positions: &[u32], tokens: &[u32]) -> Option<String> {
-        for (&p, &t) in positions.iter().zip(tokens) {
-            self.committed.insert(p, t);
-        }
-        let before = self.prefix.len();
-        while !self.done {
-            let next = self.prompt_len + self.prefix.len() as u32;
-            match self.committed.get(&next) {
-                Some(&t) if t == self.eos => self.done = true,
-                Some(&t) => self.prefix.push(t),
-                None => break,
-            }
-        }
-        if self.prefix.len() == before {
-            return None;
-        }
-        let text = self.tokenizer.decode(&self.prefix, true).ok()?;
-        // Hold back an incomplete UTF-8 sequence (a token boundary inside a character).
-        let stable = text.trim_end_matches('\u{FFFD}');
-        if stable.len() <= self.printed {
-            return None;
-        }
-        let new = stable[self.printed..].to_string();
-        self.printed = stable.len();
-        Some(new)
-    }
-}
-
 /// The `--visual` canvas: one cell per generated position.
 struct Canvas {
     prompt_len: u32,
@@ -206,28 +207,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let tok = &loaded.tokenizer;
     let header = &loaded.file.header;
 
-    let d = file_defaults(header);
-    let eos = tok
-        .eos_id
-        .context("the model file has no EOS token (tokenizer.ggml.eos_token_id)")?;
-    let mask = tok.mask_id.context(
-        "the model file has no mask token (tokenizer.ggml.mask_token_id): not a ReFusion model",
-    )?;
-    let mut params = DecodeParams::new(d, eos, mask);
-    params.gen_length = a.gen_length.unwrap_or(d.gen_length);
-    params.slot_size = a.slot_size.unwrap_or(d.slot_size);
-    params.serial_blocks = a.serial_blocks.unwrap_or(d.serial_blocks);
-    params.slot_threshold = a.slot_threshold.unwrap_or(d.slot_threshold);
-    params.token_threshold = a.token_threshold.unwrap_or(d.token_threshold);
-    params.temperature = a.temperature;
-    params.seed = a.seed;
-    params.validate()?;
-    if params.dropped_tail() > 0 {
-        eprintln!(
-            "note: the last {} positions do not fill a serial block and are not generated (as in the reference)",
-            params.dropped_tail()
-        );
-    }
+    let params = a.decode.params(header, tok)?;
+    let eos = params.eos_id;
 
     let prompt = match (&a.prompt_ids, &a.prompt, &a.file) {
         (Some(ids), _, _) => {
@@ -256,18 +237,18 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         );
     }
     let block = gen / params.serial_blocks as usize;
-    let mut cache = loaded.new_cache(loaded.context + block)?;
+    let cache = loaded.new_cache(loaded.context + block)?;
+    let mut session = Session::new(&loaded.model, tok, None, cache);
+    let model_hash = loaded.file.layout_hash();
+    if let Some(path) = a.prompt_cache.as_ref().filter(|p| p.exists()) {
+        match session.cache.load_prefix(path, model_hash) {
+            Ok(saved) => session.set_cached(saved.tokens),
+            Err(e) => eprintln!("prompt cache: {e}; starting fresh"),
+        }
+    }
 
     let prompt_len = prompt.len() as u32;
-    let mut streamer = Streamer {
-        tokenizer: tok,
-        prompt_len,
-        eos,
-        committed: BTreeMap::new(),
-        prefix: Vec::new(),
-        printed: 0,
-        done: false,
-    };
+    let mut streamer = TextStream::new(tok, prompt.len(), eos);
     let visual = a.visual && !a.json;
     let mut canvas = Canvas {
         prompt_len,
@@ -277,57 +258,62 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let mut stdout = std::io::stdout();
     let decode_start = Instant::now();
     let piece = |t: u32| tok.decode(&[t], false).unwrap_or_default();
-    let result = generate(
-        &loaded.model,
-        &mut cache,
-        &prompt,
-        &params,
-        &mut |ev| match ev {
-            Event::Committed { positions, tokens } => {
-                if visual {
-                    for (&p, &t) in positions.iter().zip(tokens) {
-                        canvas.set(p, 'C', piece(t));
-                    }
-                    canvas.draw(&mut stdout);
-                } else if stream {
-                    if let Some(text) = streamer.commit(positions, tokens) {
-                        let _ = stdout.write_all(text.as_bytes());
-                        let _ = stdout.flush();
-                    }
-                }
-            }
-            Event::Planned {
-                slot_starts,
-                slot_size,
-                tokens,
-            } if visual => {
-                for (s, &start) in slot_starts.iter().enumerate() {
-                    for j in 0..slot_size {
-                        canvas.set(start + j as u32, 'D', piece(tokens[s * slot_size + j]));
-                    }
+    let never = AtomicBool::new(false);
+    let result = session.generate(&prompt, &params, &never, &mut |ev| match ev {
+        Event::Committed { positions, tokens } => {
+            if visual {
+                for (&p, &t) in positions.iter().zip(tokens) {
+                    canvas.set(p, 'C', piece(t));
                 }
                 canvas.draw(&mut stdout);
-            }
-            Event::Infill {
-                slot_starts,
-                tokens,
-                tags,
-            } if visual => {
-                for (r, &start) in slot_starts.iter().enumerate() {
-                    for (j, &t) in tokens[r].iter().enumerate() {
-                        canvas.set(
-                            start + j as u32,
-                            if tags[r][j] { 'V' } else { 'D' },
-                            piece(t),
-                        );
-                    }
+            } else if stream {
+                if let Some(text) = streamer.push(positions, tokens) {
+                    let _ = stdout.write_all(text.as_bytes());
+                    let _ = stdout.flush();
                 }
-                canvas.draw(&mut stdout);
             }
-            _ => {}
-        },
-    )?;
+        }
+        Event::Planned {
+            slot_starts,
+            slot_size,
+            tokens,
+        } if visual => {
+            for (s, &start) in slot_starts.iter().enumerate() {
+                for j in 0..slot_size {
+                    canvas.set(start + j as u32, 'D', piece(tokens[s * slot_size + j]));
+                }
+            }
+            canvas.draw(&mut stdout);
+        }
+        Event::Infill {
+            slot_starts,
+            tokens,
+            tags,
+        } if visual => {
+            for (r, &start) in slot_starts.iter().enumerate() {
+                for (j, &t) in tokens[r].iter().enumerate() {
+                    canvas.set(
+                        start + j as u32,
+                        if tags[r][j] { 'V' } else { 'D' },
+                        piece(t),
+                    );
+                }
+            }
+            canvas.draw(&mut stdout);
+        }
+        _ => {}
+    })?;
     let decode_s = decode_start.elapsed().as_secs_f64();
+    if let Some(path) = &a.prompt_cache {
+        if session.last_reused > 0 {
+            eprintln!(
+                "prompt cache: reused {} of {} prompt tokens",
+                session.last_reused,
+                prompt.len()
+            );
+        }
+        session.cache.save_prefix(path, model_hash, &prompt, b"")?;
+    }
     let text = tok.decode(result.answer(), true)?;
     let n_gen = result.tokens.len();
     let tps = n_gen as f64 / decode_s.max(1e-9);
@@ -342,6 +328,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             "forward_calls": result.forward_calls,
             "forward_tokens": result.forward_tokens,
             "prompt_tokens": prompt.len(),
+            "cached_prompt_tokens": session.last_reused,
             "params": {
                 "gen_length": params.gen_length,
                 "slot_size": params.slot_size,

@@ -1,6 +1,7 @@
 //! The `refusion` command line.
 
 mod bench;
+mod chat;
 mod convert_cmd;
 mod demo;
 pub mod generate;
@@ -31,6 +32,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Generate an answer with ReFusion's slot decoding.
     Generate(generate::GenerateArgs),
+    /// Chat in the terminal; earlier turns stay in the KV cache.
+    Chat(chat::ChatArgs),
     /// Measure forward throughput (llama-bench's table).
     Bench(bench::BenchArgs),
 }
@@ -44,6 +47,7 @@ pub fn main() -> i32 {
         Command::Info(args) => convert_cmd::info(args),
         Command::Demo(args) => demo::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Chat(args) => chat::run(args),
         Command::Bench(args) => bench::run(args),
     };
     match result {

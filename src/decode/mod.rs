@@ -11,6 +11,8 @@
 mod noise;
 mod params;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 pub use noise::Noise;
 pub use params::DecodeParams;
 
@@ -111,6 +113,26 @@ pub fn generate<M: Forward + ?Sized>(
     params: &DecodeParams,
     on_event: &mut dyn FnMut(Event<'_>),
 ) -> Result<DecodeResult> {
+    generate_cancellable(
+        model,
+        cache,
+        prompt,
+        params,
+        &AtomicBool::new(false),
+        on_event,
+    )
+}
+
+/// [`generate`], stopping with [`Error::Cancelled`] between steps once `cancel` is set (a
+/// client went away, Ctrl-C). The cache then holds the prompt and whatever was committed.
+pub fn generate_cancellable<M: Forward + ?Sized>(
+    model: &M,
+    cache: &mut KvCache,
+    prompt: &[u32],
+    params: &DecodeParams,
+    cancel: &AtomicBool,
+    on_event: &mut dyn FnMut(Event<'_>),
+) -> Result<DecodeResult> {
     params.validate()?;
     if prompt.is_empty() {
         return Err(Error::msg("the prompt is empty"));
@@ -169,6 +191,10 @@ pub fn generate<M: Forward + ?Sized>(
             .map(|s| (block_start + s * k) as u32)
             .collect();
         while !slots.is_empty() {
+            if cancel.load(Ordering::Relaxed) {
+                cache.clear_rows();
+                return Err(Error::Cancelled);
+            }
             let removed = step(
                 &mut st,
                 cache,

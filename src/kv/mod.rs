@@ -385,6 +385,194 @@ impl KvCache {
     }
 }
 
+/// A saved prefix read back by [`KvCache::load_prefix`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct SavedPrefix {
+    /// The token at each position `0..n`.
+    pub tokens: Vec<u32>,
+    /// Caller data stored alongside (e.g. a chat's messages).
+    pub extra: Vec<u8>,
+}
+
+const SAVE_MAGIC: &[u8; 4] = b"RFKV";
+const SAVE_VERSION: u32 = 1;
+const SAVE_HEADER: usize = 4 + 4 + 8 + 4 * 4 + 8 * 3;
+
+impl KvCache {
+    /// Writes the shared entries at positions `0..tokens.len()` (their K/V, positions and tokens)
+    /// and `extra` to `path`, atomically (a temporary file, then a rename). `model_hash` ties
+    /// the file to the model ([`refusion_convert::gguf::GgufFile::layout_hash`]).
+    pub fn save_prefix(
+        &self,
+        path: &Path,
+        model_hash: u64,
+        tokens: &[u32],
+        extra: &[u8],
+    ) -> Result<()> {
+        let n = tokens.len();
+        let entries: Vec<usize> = (0..self.shared)
+            .filter(|&i| (self.shared_pos[i] as usize) < n)
+            .collect();
+        if entries.len() != n {
+            return Err(Error::msg(format!(
+                "the cache holds {} of the {n} positions to save",
+                entries.len()
+            )));
+        }
+        let es = self.ty.size();
+        let entry_bytes = self.shape.head_dim * es;
+        let n_heads = self.shape.n_layers * 2 * self.shape.n_kv_heads;
+        let mut body = Vec::with_capacity(8 * n + extra.len() + n * n_heads * entry_bytes);
+        for &t in tokens {
+            body.extend_from_slice(&t.to_le_bytes());
+        }
+        for &i in &entries {
+            body.extend_from_slice(&self.shared_pos[i].to_le_bytes());
+        }
+        body.extend_from_slice(extra);
+        for head in 0..n_heads {
+            for &i in &entries {
+                let off = self.offset(head, i) * es;
+                body.extend_from_slice(&self.mmap[off..off + entry_bytes]);
+            }
+        }
+        let mut out = Vec::with_capacity(SAVE_HEADER + body.len());
+        out.extend_from_slice(SAVE_MAGIC);
+        out.extend_from_slice(&SAVE_VERSION.to_le_bytes());
+        out.extend_from_slice(&model_hash.to_le_bytes());
+        for v in [
+            matches!(self.ty, CacheType::F16) as u32,
+            self.shape.n_layers as u32,
+            self.shape.n_kv_heads as u32,
+            self.shape.head_dim as u32,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&(n as u64).to_le_bytes());
+        out.extend_from_slice(&(extra.len() as u64).to_le_bytes());
+        out.extend_from_slice(&refusion_convert::gguf::fnv1a(&body).to_le_bytes());
+        out.extend_from_slice(&body);
+        let mut tmp = path.as_os_str().to_os_string();
+        tmp.push(".partial");
+        let tmp = std::path::PathBuf::from(tmp);
+        let io = |e: std::io::Error| Error::msg(format!("{}: {e}", path.display()));
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp).map_err(io)?;
+            f.write_all(&out).map_err(io)?;
+            f.sync_all().map_err(io)?;
+        }
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    /// Replaces the cache's contents with a saved prefix. Any mismatch (another model, cache
+    /// type or shape, a truncated or corrupt file) is an error naming the problem, and leaves
+    /// the cache empty.
+    pub fn load_prefix(&mut self, path: &Path, model_hash: u64) -> Result<SavedPrefix> {
+        self.crop(0);
+        let bad = |m: &str| Error::msg(format!("{}: {m}", path.display()));
+        let bytes =
+            std::fs::read(path).map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
+        if bytes.len() < SAVE_HEADER || &bytes[..4] != SAVE_MAGIC {
+            return Err(bad("not a refusion KV cache file"));
+        }
+        let u32_at =
+            |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
+        let u64_at = |o: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&bytes[o..o + 8]);
+            u64::from_le_bytes(a)
+        };
+        if u32_at(4) != SAVE_VERSION {
+            return Err(bad(&format!("unsupported version {}", u32_at(4))));
+        }
+        if u64_at(8) != model_hash {
+            return Err(bad("it was saved for another model"));
+        }
+        let ty = if u32_at(16) == 1 {
+            CacheType::F16
+        } else {
+            CacheType::F32
+        };
+        if ty != self.ty {
+            return Err(bad(&format!(
+                "it holds a {ty:?} cache, this run uses {:?}",
+                self.ty
+            )));
+        }
+        let (nl, nkv, hd) = (
+            u32_at(20) as usize,
+            u32_at(24) as usize,
+            u32_at(28) as usize,
+        );
+        if (nl, nkv, hd)
+            != (
+                self.shape.n_layers,
+                self.shape.n_kv_heads,
+                self.shape.head_dim,
+            )
+        {
+            return Err(bad("its cache shape differs from the model's"));
+        }
+        let n = u64_at(32);
+        let extra_len = u64_at(40);
+        let checksum = u64_at(48);
+        let es = self.ty.size() as u64;
+        let n_heads = (nl * 2 * nkv) as u64;
+        let expected = (n.checked_mul(8))
+            .and_then(|a| a.checked_add(extra_len))
+            .and_then(|a| {
+                n.checked_mul(n_heads * hd as u64 * es)
+                    .and_then(|p| a.checked_add(p))
+            })
+            .and_then(|a| a.checked_add(SAVE_HEADER as u64));
+        if expected != Some(bytes.len() as u64) {
+            return Err(bad(
+                "the file is truncated or corrupt (its size does not match its header)",
+            ));
+        }
+        let body = &bytes[SAVE_HEADER..];
+        if refusion_convert::gguf::fnv1a(body) != checksum {
+            return Err(bad("the file is corrupt (checksum mismatch)"));
+        }
+        let n = n as usize;
+        if n > self.shape.capacity {
+            return Err(bad(&format!(
+                "it holds {n} entries, more than the context ({})",
+                self.shape.capacity
+            )));
+        }
+        let rd = |o: usize| u32::from_le_bytes([body[o], body[o + 1], body[o + 2], body[o + 3]]);
+        let tokens: Vec<u32> = (0..n).map(|i| rd(4 * i)).collect();
+        let positions: Vec<u32> = (0..n).map(|i| rd(4 * (n + i))).collect();
+        let mut seen = vec![false; n];
+        for &p in &positions {
+            match seen.get_mut(p as usize) {
+                Some(s) if !*s => *s = true,
+                _ => return Err(bad("its positions are not 0..n")),
+            }
+        }
+        let extra_start = 8 * n;
+        let extra = body[extra_start..extra_start + extra_len as usize].to_vec();
+        let payload = &body[extra_start + extra_len as usize..];
+        let entry_bytes = hd * es as usize;
+        for head in 0..n_heads as usize {
+            for e in 0..n {
+                let src = (head * n + e) * entry_bytes;
+                let off = self.offset(head, e) * es as usize;
+                self.mmap[off..off + entry_bytes].copy_from_slice(&payload[src..src + entry_bytes]);
+            }
+        }
+        for (e, &p) in positions.iter().enumerate() {
+            self.slot_pos[e] = p;
+        }
+        self.shared = n;
+        self.shared_pos = positions;
+        self.next_free = n;
+        Ok(SavedPrefix { tokens, extra })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -490,6 +678,55 @@ mod tests {
             (shape().bytes_per_token(CacheType::F32) * 16) as u64
         );
         check_ops(c);
+    }
+
+    #[test]
+    fn saved_prefixes_round_trip_and_mismatches_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("prefix.kv");
+        let mut c = KvCache::new(shape(), CacheType::F32).unwrap();
+        // Positions committed out of order, as ReFusion does.
+        fill(&mut c, &[0, 0, 0], &[0.0, 2.0, 1.0]);
+        c.commit_row(0).unwrap();
+        c.save_prefix(&path, 42, &[7, 8, 9], b"extra").unwrap();
+        let mut d = KvCache::new(shape(), CacheType::F32).unwrap();
+        let saved = d.load_prefix(&path, 42).unwrap();
+        assert_eq!(saved.tokens, vec![7, 8, 9]);
+        assert_eq!(saved.extra, b"extra");
+        assert_eq!(d.shared_positions(), &[0, 2, 1]);
+        assert_eq!(
+            (0..3).map(|s| tag_of(&d, 1, s)).collect::<Vec<_>>(),
+            vec![0.0, 2.0, 1.0]
+        );
+        let e = d.load_prefix(&path, 43).unwrap_err().to_string();
+        assert!(e.contains("another model"), "{e}");
+        assert_eq!(d.shared_len(), 0);
+        let mut h = KvCache::new(shape(), CacheType::F16).unwrap();
+        assert!(h
+            .load_prefix(&path, 42)
+            .unwrap_err()
+            .to_string()
+            .contains("F32"));
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
+        assert!(d
+            .load_prefix(&path, 42)
+            .unwrap_err()
+            .to_string()
+            .contains("truncated"));
+        let mut flipped = bytes.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 1;
+        std::fs::write(&path, &flipped).unwrap();
+        assert!(d
+            .load_prefix(&path, 42)
+            .unwrap_err()
+            .to_string()
+            .contains("checksum"));
+        assert!(
+            c.save_prefix(&path, 42, &[1, 2, 3, 4], b"").is_err(),
+            "position 3 is not cached"
+        );
     }
 
     #[test]

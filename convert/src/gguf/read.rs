@@ -252,6 +252,12 @@ impl GgufFile {
         &self.mmap[start..start + t.n_bytes as usize]
     }
 
+    /// A 64-bit FNV-1a hash of everything before the tensor data: the metadata and the tensor
+    /// layout (names, types, shapes, offsets). Identifies the model for saved KV caches.
+    pub fn layout_hash(&self) -> u64 {
+        fnv1a(&self.mmap[..(self.header.data_offset as usize).min(self.mmap.len())])
+    }
+
     pub fn file_len(&self) -> u64 {
         self.mmap.len() as u64
     }
@@ -262,6 +268,16 @@ impl GgufFile {
         let start = self.header.data_offset + t.offset + offset;
         crate::hf::release_pages(&self.mmap, start as usize, len.min(t.n_bytes) as usize);
     }
+}
+
+/// 64-bit FNV-1a.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
 }
 
 struct Cursor<'a> {

@@ -1,0 +1,215 @@
+//! `refusion chat`: a multi-turn conversation in the terminal. The KV cache of earlier turns is
+//! kept: a new turn costs only its new tokens.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use refusion_convert::gguf::Value;
+
+use super::generate::DecodeArgs;
+use super::model_args::ModelArgs;
+use crate::chat::{ChatTemplate, Message, TextStream};
+use crate::decode::Event;
+use crate::runtime::load;
+use crate::session::Session;
+
+static GENERATING: AtomicBool = AtomicBool::new(false);
+static CANCEL: AtomicBool = AtomicBool::new(false);
+
+#[derive(Args)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    decode: DecodeArgs,
+    /// A system message that starts the conversation.
+    #[arg(long)]
+    system: Option<String>,
+}
+
+const HELP: &str =
+    "commands: /reset  /save FILE  /load FILE  /exit  (Ctrl-C stops an answer, Ctrl-D quits)";
+
+/// Saves the conversation: the KV cache, its tokens and the messages.
+fn save<M: crate::model::Forward + ?Sized>(
+    s: &Session<'_, M>,
+    path: &Path,
+    model_hash: u64,
+) -> Result<()> {
+    let extra = serde_json::to_vec(&s.messages)?;
+    s.cache
+        .save_prefix(path, model_hash, s.cached_tokens(), &extra)?;
+    Ok(())
+}
+
+fn restore<M: crate::model::Forward + ?Sized>(
+    s: &mut Session<'_, M>,
+    path: &Path,
+    model_hash: u64,
+) -> Result<()> {
+    match s.cache.load_prefix(path, model_hash) {
+        Ok(saved) => {
+            let messages: Vec<Message> = serde_json::from_slice(&saved.extra)
+                .context("the saved conversation's messages are corrupt")?;
+            s.set_cached(saved.tokens);
+            s.messages = messages;
+            Ok(())
+        }
+        Err(e) => {
+            s.reset();
+            Err(e.into())
+        }
+    }
+}
+
+pub fn run(a: ChatArgs) -> Result<()> {
+    super::set_threads(a.model.threads)?;
+    let loaded = load(&a.model.load_options(true))?;
+    let header = &loaded.file.header;
+    let params = a.decode.params(header, &loaded.tokenizer)?;
+    let source = header
+        .get("tokenizer.chat_template")
+        .and_then(Value::as_str)
+        .context("the model file has no chat template, which chat needs")?;
+    let template = ChatTemplate::new(source)?;
+    let block = params.padded_gen_length() as usize / params.serial_blocks as usize;
+    let cache = loaded.new_cache(loaded.context + block)?;
+    let model_hash = loaded.file.layout_hash();
+    let mut session = Session::new(&loaded.model, &loaded.tokenizer, Some(template), cache);
+    if let Some(s) = &a.system {
+        session.messages.push(Message::new("system", s));
+    }
+    let _ = ctrlc::set_handler(|| {
+        if GENERATING.load(Ordering::SeqCst) {
+            CANCEL.store(true, Ordering::SeqCst);
+        } else {
+            std::process::exit(130);
+        }
+    });
+
+    let interactive = std::io::stdin().is_terminal();
+    if interactive {
+        eprintln!("{HELP}");
+    }
+    let stdin = std::io::stdin();
+    let mut stdout = std::io::stdout();
+    let mut line = String::new();
+    loop {
+        if interactive {
+            print!("> ");
+            stdout.flush()?;
+        }
+        line.clear();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break; // Ctrl-D
+        }
+        let input = line.trim_end_matches(['\n', '\r']);
+        if input.trim().is_empty() {
+            continue;
+        }
+        let (cmd, arg) = input
+            .split_once(' ')
+            .map(|(c, a)| (c, a.trim()))
+            .unwrap_or((input, ""));
+        match cmd {
+            "/exit" | "/quit" => break,
+            "/help" => {
+                eprintln!("{HELP}");
+                continue;
+            }
+            "/reset" => {
+                session.reset();
+                if let Some(s) = &a.system {
+                    session.messages.push(Message::new("system", s));
+                }
+                eprintln!("(conversation reset)");
+                continue;
+            }
+            "/save" | "/load" if arg.is_empty() => {
+                eprintln!("usage: {cmd} FILE");
+                continue;
+            }
+            "/save" => {
+                match save(&session, Path::new(arg), model_hash) {
+                    Ok(()) => {
+                        eprintln!("(saved {} tokens to {arg})", session.cached_tokens().len())
+                    }
+                    Err(e) => eprintln!("error: {e:#}"),
+                }
+                continue;
+            }
+            "/load" => {
+                match restore(&mut session, Path::new(arg), model_hash) {
+                    Ok(()) => eprintln!(
+                        "(loaded {} messages, {} cached tokens from {arg})",
+                        session.messages.len(),
+                        session.cached_tokens().len()
+                    ),
+                    Err(e) => eprintln!("error: {e:#} (starting a new conversation)"),
+                }
+                continue;
+            }
+            _ => {}
+        }
+
+        CANCEL.store(false, Ordering::SeqCst);
+        GENERATING.store(true, Ordering::SeqCst);
+        let start = Instant::now();
+        let tok = &loaded.tokenizer;
+        let mut messages = session.messages.clone();
+        messages.push(Message::new("user", input));
+        let prompt = match session.render(&messages) {
+            Ok(p) => p,
+            Err(e) => {
+                GENERATING.store(false, Ordering::SeqCst);
+                eprintln!("error: {e}");
+                continue;
+            }
+        };
+        if prompt.len() + params.padded_gen_length() as usize > loaded.context {
+            GENERATING.store(false, Ordering::SeqCst);
+            eprintln!(
+                "error: the conversation ({} tokens) plus an answer ({}) exceeds the context of {}; /reset or raise -c",
+                prompt.len(),
+                params.padded_gen_length(),
+                loaded.context
+            );
+            continue;
+        }
+        let mut stream = TextStream::new(tok, prompt.len(), params.eos_id);
+        let result = session.generate(&prompt, &params, &CANCEL, &mut |ev| {
+            if let Event::Committed { positions, tokens } = ev {
+                if let Some(text) = stream.push(positions, tokens) {
+                    let _ = stdout.write_all(text.as_bytes());
+                    let _ = stdout.flush();
+                }
+            }
+        });
+        GENERATING.store(false, Ordering::SeqCst);
+        println!();
+        match result {
+            Ok(r) => {
+                let text = tok.decode(r.answer(), true)?;
+                messages.push(Message::new("assistant", &text));
+                session.messages = messages;
+                let secs = start.elapsed().as_secs_f64();
+                eprintln!(
+                    "[{} tokens in {:.2} s, {:.1} tokens/s, TPF {:.2}, {} of {} prompt tokens from the cache]",
+                    r.tokens.len(),
+                    secs,
+                    r.tokens.len() as f64 / secs.max(1e-9),
+                    r.tpf,
+                    session.last_reused,
+                    prompt.len()
+                );
+            }
+            Err(crate::error::Error::Cancelled) => eprintln!("(stopped)"),
+            Err(e) => eprintln!("error: {e}"),
+        }
+    }
+    Ok(())
+}
