@@ -10,6 +10,7 @@ pub mod error;
 pub mod kv;
 pub mod model;
 pub mod runtime;
+pub mod server;
 pub mod session;
 
 pub use refusion_convert as convert;

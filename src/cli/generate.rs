@@ -93,6 +93,12 @@ impl DecodeArgs {
         p.gen_length = self.gen_length.unwrap_or(d.gen_length);
         p.slot_size = self.slot_size.unwrap_or(d.slot_size);
         p.serial_blocks = self.serial_blocks.unwrap_or(d.serial_blocks);
+        if self.serial_blocks.is_none() && p.gen_length != d.gen_length {
+            // Keep the default block length rather than the default block count.
+            let block =
+                d.gen_length.div_ceil(d.slot_size.max(1)) * d.slot_size / d.serial_blocks.max(1);
+            p.fit_serial_blocks(block);
+        }
         p.slot_threshold = self.slot_threshold.unwrap_or(d.slot_threshold);
         p.token_threshold = self.token_threshold.unwrap_or(d.token_threshold);
         p.temperature = self.temperature;

@@ -6,6 +6,7 @@ mod convert_cmd;
 mod demo;
 pub mod generate;
 pub mod model_args;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -34,6 +35,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Chat in the terminal; earlier turns stay in the KV cache.
     Chat(chat::ChatArgs),
+    /// Serve an OpenAI-compatible API (chat and text completions, streaming).
+    Serve(serve::ServeArgs),
     /// Measure forward throughput (llama-bench's table).
     Bench(bench::BenchArgs),
 }
@@ -48,6 +51,7 @@ pub fn main() -> i32 {
         Command::Demo(args) => demo::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Chat(args) => chat::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
     };
     match result {

@@ -58,6 +58,24 @@ impl DecodeParams {
         padded - padded / self.serial_blocks.max(1) * self.serial_blocks
     }
 
+    /// Picks the number of serial blocks for the current gen length so that blocks stay close
+    /// to `block_len` tokens and split the padded length exactly into whole slots. Used when a
+    /// gen length is asked for without a number of serial blocks (e.g. `-n 64` with the model
+    /// card's 16-token blocks gives 4 blocks, where 32 would not split).
+    pub fn fit_serial_blocks(&mut self, block_len: u32) {
+        let (k, padded) = (self.slot_size.max(1), self.padded_gen_length());
+        if padded == 0 {
+            return;
+        }
+        let target = block_len.max(k);
+        let best = (1..=padded / k)
+            .filter(|&nb| padded % nb == 0 && (padded / nb) % k == 0)
+            .min_by_key(|&nb| ((padded / nb) as i64 - target as i64).abs());
+        if let Some(nb) = best {
+            self.serial_blocks = nb;
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         self.defaults().validate().map_err(Error::msg)?;
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
@@ -70,5 +88,25 @@ impl DecodeParams {
             return Err(Error::msg("the EOS and mask tokens are the same id"));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serial_blocks_follow_the_gen_length() {
+        let mut p = DecodeParams::new(DecodingDefaults::default(), 1, 2);
+        p.gen_length = 64;
+        p.fit_serial_blocks(16);
+        assert_eq!(p.serial_blocks, 4);
+        p.gen_length = 6;
+        p.fit_serial_blocks(16);
+        assert_eq!((p.padded_gen_length(), p.serial_blocks), (8, 1));
+        p.gen_length = 512;
+        p.fit_serial_blocks(16);
+        assert_eq!(p.serial_blocks, 32);
+        assert!(p.validate().is_ok());
     }
 }

@@ -1,0 +1,73 @@
+//! `refusion serve`: the OpenAI-compatible server.
+
+use std::net::IpAddr;
+
+use anyhow::Result;
+use clap::Args;
+
+use super::generate::DecodeArgs;
+use super::model_args::ModelArgs;
+use crate::runtime::load;
+use crate::server::worker::Limits;
+use crate::server::{serve, ServerConfig};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    decode: DecodeArgs,
+    /// Address to listen on (loopback by default).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port (0 picks a free one).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` (needed when binding beyond loopback).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Requests that may wait for the model; more get HTTP 503.
+    #[arg(long, default_value_t = 16)]
+    queue: usize,
+    /// Largest request body accepted (HTTP 413 beyond).
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+    /// Largest max_tokens a request may ask for.
+    #[arg(long, default_value_t = 2048)]
+    max_gen_length: u32,
+    /// The model id reported by /v1/models (default: general.name).
+    #[arg(long)]
+    alias: Option<String>,
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    super::set_threads(a.model.threads)?;
+    if a.queue == 0 {
+        anyhow::bail!("--queue must be at least 1");
+    }
+    let loaded = load(&a.model.load_options(true))?;
+    let base = a.decode.params(&loaded.file.header, &loaded.tokenizer)?;
+    let model_name = a.alias.clone().unwrap_or_else(|| {
+        loaded
+            .file
+            .header
+            .get("general.name")
+            .and_then(|v| v.as_str())
+            .unwrap_or("refusion")
+            .to_string()
+    });
+    let limits = Limits {
+        base,
+        max_gen_length: a.max_gen_length.max(1),
+    };
+    let cfg = ServerConfig {
+        host: a.host,
+        port: a.port,
+        api_key: a.api_key.clone(),
+        queue: a.queue,
+        max_body_bytes: a.max_body_bytes,
+        model_name,
+    };
+    serve(loaded, limits, cfg)?;
+    Ok(())
+}

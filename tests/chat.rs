@@ -1,0 +1,233 @@
+//! `refusion chat` (driven through stdin) and `generate --prompt-cache`: later turns and
+//! prompts reuse the cached KV, give the same tokens as a cold run, and refuse foreign files.
+
+mod common;
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use common::*;
+use serde_json::Value;
+
+fn tiny_model(dir: &Path) -> std::path::PathBuf {
+    let ckpt = dir.join("ckpt");
+    build_refusion_vocab_checkpoint(&ckpt, TokLayout::Fast);
+    let out = dir.join("tiny.gguf");
+    let o = run(&[
+        "convert",
+        ckpt.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--outtype",
+        "q8_0",
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    out
+}
+
+fn chat(model: &Path, input: &str) -> (String, String) {
+    let mut child = Command::new(bin())
+        .args([
+            "chat",
+            "-m",
+            model.to_str().unwrap(),
+            "-n",
+            "16",
+            "--slot-size",
+            "4",
+            "--serial-blocks",
+            "2",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// (reused, prompt) from each "[... R of P prompt tokens from the cache]" line.
+fn reuse(stderr: &str) -> Vec<(usize, usize)> {
+    stderr
+        .lines()
+        .filter_map(|l| {
+            let rest = l.split(", ").last()?;
+            let mut w = rest.split_whitespace();
+            let r = w.next()?.parse().ok()?;
+            w.next()?;
+            let p = w.next()?.parse().ok()?;
+            Some((r, p))
+        })
+        .collect()
+}
+
+#[test]
+fn two_turns_reuse_the_cache_and_sessions_save_and_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let saved = tmp.path().join("conv.kv");
+    let script = format!(
+        "Hello there\nAnd a second question\n/save {0}\n/reset\nFresh start\n/load {0}\nThird turn\n/exit\n",
+        saved.display()
+    );
+    let (out, err) = chat(&model, &script);
+    let r = reuse(&err);
+    assert_eq!(r.len(), 4, "{err}");
+    assert_eq!(r[0].0, 0, "the first turn starts cold");
+    assert!(
+        r[1].0 > r[0].1,
+        "the second turn reuses the first turn's prompt and answer: {r:?}"
+    );
+    assert_eq!(r[2].0, 0, "after /reset nothing is cached");
+    assert!(
+        r[3].0 > r[1].1,
+        "after /load the saved conversation is reused: {r:?}"
+    );
+    assert!(
+        err.contains("(conversation reset)") && err.contains("loaded 4 messages"),
+        "{err}"
+    );
+    assert_eq!(
+        out.lines().filter(|l| !l.trim().is_empty()).count(),
+        4,
+        "four answers:\n{out}"
+    );
+
+    // A saved file from another model is refused with a message, and the chat goes on.
+    let other = tmp.path().join("other.gguf");
+    let o = run(&[
+        "convert",
+        fixture_model("pub-a").to_str().unwrap(),
+        "-o",
+        other.to_str().unwrap(),
+        "--outtype",
+        "f32",
+        "-q",
+    ]);
+    assert!(o.status.success());
+    let mut child = Command::new(bin())
+        .args([
+            "chat",
+            "-m",
+            other.to_str().unwrap(),
+            "-n",
+            "8",
+            "--slot-size",
+            "4",
+            "--serial-blocks",
+            "1",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(format!("/load {}\nHi\n", saved.display()).as_bytes())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success());
+    assert!(err.contains("another model"), "{err}");
+    assert!(!err.contains("panicked"));
+}
+
+fn generate_json(model: &Path, cache: &Path) -> Value {
+    let o = run(&[
+        "generate",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "Tell me a story about a lighthouse.",
+        "-n",
+        "16",
+        "--slot-size",
+        "4",
+        "--serial-blocks",
+        "2",
+        "--json",
+        "--prompt-cache",
+        cache.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut j: Value = serde_json::from_slice(&o.stdout).unwrap();
+    j["stderr"] = Value::String(stderr(&o));
+    j
+}
+
+#[test]
+fn prompt_cache_reuse_matches_a_cold_run_and_refuses_bad_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let cache = tmp.path().join("prompt.kv");
+    let cold = generate_json(&model, &cache);
+    assert!(cache.exists());
+    assert_eq!(cold["cached_prompt_tokens"], 0);
+    let warm = generate_json(&model, &cache);
+    assert!(warm["cached_prompt_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(
+        warm["tokens"], cold["tokens"],
+        "reusing the cache changes nothing"
+    );
+
+    // Corrupt and truncated files are detected, not trusted.
+    let bytes = std::fs::read(&cache).unwrap();
+    let mut bad = bytes.clone();
+    let mid = bad.len() / 2;
+    bad[mid] ^= 0xff;
+    std::fs::write(&cache, &bad).unwrap();
+    let j = generate_json(&model, &cache);
+    assert!(
+        j["stderr"].as_str().unwrap().contains("checksum"),
+        "{}",
+        j["stderr"]
+    );
+    assert_eq!(j["tokens"], cold["tokens"]);
+    assert_eq!(j["cached_prompt_tokens"], 0);
+    std::fs::write(&cache, &bytes[..bytes.len() / 3]).unwrap();
+    let j = generate_json(&model, &cache);
+    assert!(
+        j["stderr"].as_str().unwrap().contains("truncated"),
+        "{}",
+        j["stderr"]
+    );
+    assert_eq!(j["tokens"], cold["tokens"]);
+
+    // A cache made with another cache type is refused.
+    let o = run(&[
+        "generate",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "Tell me a story about a lighthouse.",
+        "-n",
+        "16",
+        "--slot-size",
+        "4",
+        "--serial-blocks",
+        "2",
+        "--json",
+        "--prompt-cache",
+        cache.to_str().unwrap(),
+        "--cache-type",
+        "f16",
+    ]);
+    assert!(o.status.success());
+    assert!(stderr(&o).contains("F32"), "{}", stderr(&o));
+}

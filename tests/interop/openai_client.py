@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Talks to `refusion serve` with the official `openai` client and plain HTTP.
+
+    openai_client.py BASE_URL MODE
+MODE: "api" (completions, streaming, errors), "load" (8 clients x 25 requests),
+"busy" (a full queue answers 503), "auth" (API key). Prints OK and exits 0, or raises."""
+import concurrent.futures
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+
+base, mode = sys.argv[1], sys.argv[2]
+KNOBS = {"slot_size": 4, "serial_blocks": 2}
+
+
+def raw(path, body, headers=None):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get(path):
+    with urllib.request.urlopen(base + path, timeout=30) as r:
+        return r.status, json.loads(r.read())
+
+
+def check_error(status, body, want_status, needle):
+    assert status == want_status, (status, body)
+    err = body["error"]
+    assert needle in err["message"], err
+    assert err["type"], err
+
+
+if mode == "api":
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    models = client.models.list()
+    assert len(models.data) == 1, models
+    model = models.data[0].id
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                          extra_body=KNOBS)
+    text = full.choices[0].message.content
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.prompt_tokens > 0 and full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    deltas = []
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                                stream=True, extra_body=KNOBS):
+        if chunk.choices and chunk.choices[0].delta.content:
+            deltas.append(chunk.choices[0].delta.content)
+    assert "".join(deltas) == text, ("".join(deltas), text)
+    # Unknown fields are ignored; ReFusion knobs are accepted.
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                       extra_body={"foo": 1, "slot_threshold": 0.9, "token_threshold": 0.4, **KNOBS})
+    assert r.choices[0].message.content is not None
+    # Text completions, plain and streamed.
+    c = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0, extra_body=KNOBS)
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True, extra_body=KNOBS))
+    assert streamed == c.choices[0].text, (streamed, c.choices[0].text)
+    # Errors, OpenAI-style.
+    check_error(*raw("/v1/chat/completions", b"{not json"), 400, "malformed JSON")
+    check_error(*raw("/v1/chat/completions", {"messages": []}), 400, "messages must not be empty")
+    check_error(*raw("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}), 400,
+                "temperature")
+    check_error(*raw("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "slot_threshold": 2}), 400,
+                "slot threshold")
+    check_error(*raw("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}), 400,
+                "max_tokens")
+    check_error(*raw("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 3000}], "max_tokens": 64}),
+                400, "more than the context")
+    check_error(*raw("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}), 413, "too large")
+    check_error(*raw("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}), 400, "unknown role")
+    check_error(*raw("/v1/nothing", {}), 404, "unknown endpoint")
+    try:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=0)
+        raise AssertionError("max_tokens=0 accepted")
+    except openai.BadRequestError as e:
+        assert "max_tokens" in str(e)
+    # A client that disconnects mid-stream cancels its generation; the server goes on.
+    req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(
+        {"messages": [{"role": "user", "content": "long"}], "max_tokens": 512, "stream": True, **KNOBS}).encode(),
+        headers={"content-type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    resp.readline()
+    resp.close()
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=8, extra_body=KNOBS)
+    assert r.choices[0].message.content is not None
+    assert get("/health") == (200, {"status": "ok"})
+
+elif mode == "load":
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    failures = []
+
+    def worker(i):
+        for j in range(25):
+            try:
+                r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"client {i} request {j}"}],
+                                                   max_tokens=8, extra_body=KNOBS)
+                assert r.choices[0].message.content is not None
+            except Exception as e:  # noqa: BLE001
+                failures.append(repr(e))
+
+    t = time.time()
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        list(ex.map(worker, range(8)))
+    assert not failures, failures[:3]
+    assert get("/health") == (200, {"status": "ok"})
+    print(f"200 requests in {time.time() - t:.1f} s", file=sys.stderr)
+
+elif mode == "busy":
+    codes = []
+    lock = threading.Lock()
+
+    def hit(i):
+        s, b = raw("/v1/chat/completions", {"messages": [{"role": "user", "content": f"busy {i}"}], "max_tokens": 256, **KNOBS})
+        with lock:
+            codes.append((s, b))
+
+    threads = [threading.Thread(target=hit, args=(i,)) for i in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    busy = [b for s, b in codes if s == 503]
+    assert busy, [s for s, _ in codes]
+    assert "busy" in busy[0]["error"]["message"], busy[0]
+    assert any(s == 200 for s, _ in codes)
+
+elif mode == "auth":
+    check_error(*raw("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}), 401, "API key")
+    s, b = raw("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, **KNOBS},
+               {"authorization": "Bearer sekrit"})
+    assert s == 200, b
+    client = openai.OpenAI(base_url=base + "/v1", api_key="sekrit")
+    assert client.models.list().data
+
+print("OK")
