@@ -231,3 +231,34 @@ fn prompt_cache_reuse_matches_a_cold_run_and_refuses_bad_files() {
     assert!(o.status.success());
     assert!(stderr(&o).contains("F32"), "{}", stderr(&o));
 }
+
+#[test]
+fn ctrl_c_stops_the_current_answer_and_the_chat_goes_on() {
+    use std::io::Read;
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let mut child = Command::new(bin())
+        .args(["chat", "-m", model.to_str().unwrap(), "-n", "2048", "--slot-size", "4", "--serial-blocks", "512", "-c", "4096"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"Write a very long story\n").unwrap();
+    stdin.flush().unwrap();
+    // Wait for the answer to start streaming, then press Ctrl-C.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 1];
+    stdout.read_exact(&mut first).unwrap();
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    stdin.write_all(b"/exit\n").unwrap();
+    drop(stdin);
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("(stopped)"), "{err}");
+}
