@@ -7,6 +7,7 @@ pub mod chat;
 pub mod cli;
 pub mod decode;
 pub mod error;
+pub mod fuzzing;
 pub mod kv;
 pub mod model;
 pub mod runtime;

@@ -98,6 +98,22 @@ impl Loaded {
     /// A KV cache of `capacity` entries (the context plus any scratch the caller needs).
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         let shape = self.model.cache_shape(capacity);
+        let kv_bytes =
+            (shape.bytes_per_token(self.cache_type) as u64).saturating_mul(capacity as u64);
+        if self.kv_file.is_none() {
+            if let Some(avail) = available_memory() {
+                if kv_bytes > avail {
+                    return Err(Error::msg(format!(
+                        "the KV cache for {capacity} tokens needs {} ({} per token, {:?}) but only {} of memory is available; \
+                         lower -c, use --cache-type f16, or back it with a file (--kv-file)",
+                        mib(kv_bytes),
+                        shape.bytes_per_token(self.cache_type),
+                        self.cache_type,
+                        mib(avail)
+                    )));
+                }
+            }
+        }
         let cache = match &self.kv_file {
             Some(p) => KvCache::with_file(shape, self.cache_type, p)?,
             None => KvCache::new(shape, self.cache_type)?,
@@ -118,6 +134,25 @@ impl Loaded {
     }
 }
 
+/// Memory this process may still use: `REFUSION_MAX_MEMORY` (bytes) if set, else the kernel's
+/// MemAvailable (Linux). `None` when unknown (then nothing is checked).
+pub fn available_memory() -> Option<u64> {
+    if let Some(v) = std::env::var("REFUSION_MAX_MEMORY")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+    {
+        return Some(v);
+    }
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn mib(b: u64) -> String {
+    refusion_convert::info::human_bytes(b)
+}
+
 /// Resident memory of this process in bytes (Linux), for reports.
 pub fn resident_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -132,6 +167,31 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
     let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
     let tokenizer = Tokenizer::from_gguf(&file.header).map_err(in_file)?;
     let device = opts.device.open()?;
+    // The weights are copied out of the map once (candle's x86 kernels may keep a repacked
+    // copy of Q4_K/Q6_K/Q8_0 weights too): check the plan before allocating anything.
+    if let Some(avail) = available_memory() {
+        let mut need = 0u64;
+        for t in &file.header.tensors {
+            if t.name == "token_embd.weight" && file.header.tensor("output.weight").is_some() {
+                continue; // rows are decoded from the map as needed
+            }
+            let repack = matches!(
+                t.ty,
+                refusion_convert::gguf::GgmlType::Q4_K
+                    | refusion_convert::gguf::GgmlType::Q6_K
+                    | refusion_convert::gguf::GgmlType::Q8_0
+            );
+            need = need.saturating_add(t.n_bytes * if repack { 2 } else { 1 });
+        }
+        if need > avail {
+            return Err(in_file(Error::msg(format!(
+                "the weights need about {} of memory (with candle's repacked copies) but only {} is available; \
+                 use a smaller quantization",
+                mib(need),
+                mib(avail)
+            ))));
+        }
+    }
     let model = Qwen3::load(file.clone(), &device).map_err(in_file)?;
     let cfg = model.config();
     if tokenizer.vocab_size() > cfg.vocab {

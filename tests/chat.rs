@@ -238,7 +238,19 @@ fn ctrl_c_stops_the_current_answer_and_the_chat_goes_on() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model(tmp.path());
     let mut child = Command::new(bin())
-        .args(["chat", "-m", model.to_str().unwrap(), "-n", "2048", "--slot-size", "4", "--serial-blocks", "512", "-c", "4096"])
+        .args([
+            "chat",
+            "-m",
+            model.to_str().unwrap(),
+            "-n",
+            "2048",
+            "--slot-size",
+            "4",
+            "--serial-blocks",
+            "512",
+            "-c",
+            "4096",
+        ])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -252,7 +264,11 @@ fn ctrl_c_stops_the_current_answer_and_the_chat_goes_on() {
     let mut first = [0u8; 1];
     stdout.read_exact(&mut first).unwrap();
     let pid = child.id().to_string();
-    assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .unwrap()
+        .success());
     stdin.write_all(b"/exit\n").unwrap();
     drop(stdin);
     let mut rest = String::new();

@@ -95,10 +95,18 @@ fn signals_mid_write_leave_no_partial_and_keep_the_old_file() {
             "{signal}: old file changed"
         );
     }
-    // SIGKILL cannot be caught: the partial file may remain, but the target is untouched.
+    // SIGKILL cannot be caught: the partial file may remain, but the target is untouched, and
+    // where there was none, there is none.
     let (code, _) = interrupt_with(&dir, &out, "-KILL");
     assert_eq!(code, None);
     assert_eq!(fs::read(&out).unwrap(), b"the previous model");
+    let fresh = tmp.path().join("fresh.gguf");
+    let (code, _) = interrupt_with(&dir, &fresh, "-KILL");
+    assert_eq!(code, None);
+    assert!(
+        !fresh.exists(),
+        "a killed conversion must not leave a target file"
+    );
     // A later run replaces the stale partial file and completes.
     let o = run(&[
         "convert",

@@ -30,6 +30,24 @@ impl Message {
     }
 }
 
+/// A writer that refuses to grow past [`MAX_OUTPUT`] bytes.
+struct Bounded(Vec<u8>);
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_OUTPUT {
+            return Err(std::io::Error::other(format!(
+                "the chat template output exceeds {MAX_OUTPUT} bytes"
+            )));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 pub struct ChatTemplate {
     env: Environment<'static>,
 }
@@ -134,16 +152,11 @@ impl ChatTemplate {
             documents => JValue::from(()),
             enable_thinking => true,
         };
-        let out = tmpl
-            .render(ctx)
+        // Render into a bounded buffer: a hostile template cannot grow the output past the limit.
+        let mut out = Bounded(Vec::new());
+        tmpl.render_captured_to(ctx, &mut out)
             .map_err(|e| Error::msg(format!("rendering the chat template: {e}")))?;
-        if out.len() > MAX_OUTPUT {
-            return Err(Error::msg(format!(
-                "the chat template produced {} bytes; refusing",
-                out.len()
-            )));
-        }
-        Ok(out)
+        String::from_utf8(out.0).map_err(|_| Error::msg("the chat template produced invalid UTF-8"))
     }
 }
 
@@ -175,5 +188,29 @@ mod tests {
             .to_string()
             .contains("no system role"));
         assert!(ChatTemplate::new("{% if %}").is_err());
+    }
+}
+
+#[cfg(test)]
+mod hostile {
+    use super::*;
+
+    #[test]
+    fn huge_outputs_are_refused() {
+        for src in [
+            "{{ 'a' * 1000000000 }}",
+            "{% set x = 'ab' * 100000 %}{% for i in range(100000) %}{{ x }}{% endfor %}",
+            "{{ range(1000000000) | list | length }}",
+        ] {
+            let t = ChatTemplate::new(src).unwrap();
+            let start = std::time::Instant::now();
+            let r = t.render(&[], true);
+            assert!(
+                r.is_err(),
+                "{src}: rendered {} bytes",
+                r.map(|s| s.len()).unwrap_or(0)
+            );
+            assert!(start.elapsed().as_secs() < 5, "{src} took too long");
+        }
     }
 }

@@ -105,7 +105,8 @@ impl StopFilter {
     }
 }
 
-fn params_for(knobs: &Knobs, limits: &Limits) -> Result<DecodeParams, ApiError> {
+/// The decoding parameters of a request: its fields over the server's defaults, checked.
+pub fn params_for(knobs: &Knobs, limits: &Limits) -> Result<DecodeParams, ApiError> {
     let mut p = limits.base.clone();
     if let Some(n) = knobs.max_completion_tokens.or(knobs.max_tokens) {
         if n == 0 || n > limits.max_gen_length {

@@ -79,6 +79,51 @@ struct Index {
     weight_map: HashMap<String, String>,
 }
 
+/// Parses and checks a safetensors file held in `bytes` (header, offsets, dtypes) and returns
+/// its tensors, sorted by name. Nothing is allocated in proportion to a count the file claims.
+pub fn parse_shard(bytes: &[u8], shard: usize) -> std::result::Result<Vec<SourceTensor>, String> {
+    let (header_len, meta) = SafeTensors::read_metadata(bytes).map_err(describe)?;
+    let data_start = 8 + header_len;
+    // `read_metadata` checked that offsets tile the data section and match the file length.
+    SafeTensors::deserialize(bytes).map_err(describe)?;
+    let mut out = Vec::new();
+    for (name, info) in meta.tensors() {
+        let dtype = match info.dtype {
+            Dtype::F32 => SourceDtype::F32,
+            Dtype::F16 => SourceDtype::F16,
+            Dtype::BF16 => SourceDtype::BF16,
+            other => {
+                return Err(format!(
+                    "tensor '{name}' has dtype {other:?}; only F32, F16 and BF16 are supported"
+                ))
+            }
+        };
+        let (begin, end) = info.data_offsets;
+        out.push(SourceTensor {
+            name: name.clone(),
+            shard,
+            dtype,
+            shape: info.shape.iter().map(|&d| d as u64).collect(),
+            start: data_start + begin,
+            len: end - begin,
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Parses `model.safetensors.index.json`: tensor name to shard file name. Shard names must be
+/// plain file names (no path separators, not hidden), so an index cannot point outside its folder.
+pub fn parse_index(json: &[u8]) -> std::result::Result<HashMap<String, String>, String> {
+    let idx: Index = serde_json::from_slice(json).map_err(|e| format!("invalid JSON: {e}"))?;
+    for file in idx.weight_map.values() {
+        if file.is_empty() || file.contains('/') || file.contains('\\') || file.starts_with('.') {
+            return Err(format!("shard name '{file}' is not a plain file name"));
+        }
+    }
+    Ok(idx.weight_map)
+}
+
 fn describe(e: SafeTensorError) -> String {
     match e {
         SafeTensorError::HeaderTooSmall => {
@@ -115,17 +160,12 @@ impl Weights {
             tensors: BTreeMap::new(),
         };
         if index.is_file() {
-            let idx: Index = super::read_json(&index)?;
-            let mut files: Vec<&String> = idx.weight_map.values().collect();
+            let text = std::fs::read(&index).map_err(|e| Error::io(&index, e))?;
+            let weight_map = parse_index(&text).map_err(|m| Error::bad(&index, m))?;
+            let mut files: Vec<&String> = weight_map.values().collect();
             files.sort();
             files.dedup();
             for file in files {
-                if file.contains('/') || file.contains('\\') || file.starts_with('.') {
-                    return Err(Error::bad(
-                        &index,
-                        format!("shard name '{file}' is not a plain file name"),
-                    ));
-                }
                 let path = dir.join(file);
                 if !path.is_file() {
                     return Err(Error::bad(
@@ -135,7 +175,7 @@ impl Weights {
                 }
                 weights.add_shard(&path)?;
             }
-            for (name, file) in &idx.weight_map {
+            for (name, file) in &weight_map {
                 let t = weights.tensors.get(name).ok_or_else(|| {
                     Error::bad(
                         &index,
@@ -169,35 +209,9 @@ impl Weights {
         // SAFETY: read-only map; the header is validated before any offset is used, and a file
         // changed underneath us can only produce wrong values, which the converter then writes.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let (header_len, meta) =
-            SafeTensors::read_metadata(&mmap).map_err(|e| Error::bad(path, describe(e)))?;
-        let data_start = 8 + header_len;
-        // `read_metadata` checked that offsets tile the data section and match the file length.
-        SafeTensors::deserialize(&mmap).map_err(|e| Error::bad(path, describe(e)))?;
         let shard = self.shards.len();
-        for (name, info) in meta.tensors() {
-            let dtype = match info.dtype {
-                Dtype::F32 => SourceDtype::F32,
-                Dtype::F16 => SourceDtype::F16,
-                Dtype::BF16 => SourceDtype::BF16,
-                other => {
-                    return Err(Error::bad(
-                        path,
-                        format!(
-                        "tensor '{name}' has dtype {other:?}; only F32, F16 and BF16 are supported"
-                    ),
-                    ))
-                }
-            };
-            let (begin, end) = info.data_offsets;
-            let t = SourceTensor {
-                name: name.clone(),
-                shard,
-                dtype,
-                shape: info.shape.iter().map(|&d| d as u64).collect(),
-                start: data_start + begin,
-                len: end - begin,
-            };
+        for t in parse_shard(&mmap, shard).map_err(|m| Error::bad(path, m))? {
+            let name = t.name.clone();
             if self.tensors.insert(name.clone(), t).is_some() {
                 return Err(Error::bad(
                     path,

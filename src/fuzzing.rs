@@ -1,0 +1,139 @@
+//! Entry points for the fuzz targets in `fuzz/` and for replaying their corpora in tests: each
+//! takes arbitrary bytes and must return without panicking, hanging or allocating without bound.
+
+use refusion_convert::gguf::{GgufHeader, Value, ValueType};
+
+use crate::chat::{ChatTemplate, Message, Tokenizer};
+use crate::decode::DecodeParams;
+use crate::server::api::{parse, ChatRequest, CompletionRequest};
+use crate::server::worker::{params_for, Limits};
+
+/// The GGUF reader: header, metadata, tensor infos, offsets, alignment.
+pub fn gguf_header(data: &[u8]) {
+    if let Ok(h) = GgufHeader::parse(data) {
+        // Whatever parsed must be internally consistent.
+        for t in &h.tensors {
+            assert!(t.offset % h.alignment == 0);
+            assert!(h.data_offset + t.offset + t.n_bytes <= data.len() as u64);
+        }
+        let _ = crate::model::Qwen3Config::from_gguf(&h);
+        let _ = Tokenizer::from_gguf(&h);
+    }
+}
+
+/// The safetensors header and the shard index.
+pub fn safetensors(data: &[u8]) {
+    if let Ok(tensors) = refusion_convert::hf::weights::parse_shard(data, 0) {
+        for t in tensors {
+            assert!(t.start + t.len <= data.len());
+        }
+    }
+    let _ = refusion_convert::hf::weights::parse_index(data);
+}
+
+/// A tokenizer built from hostile `tokenizer.ggml.*` metadata: lines of the input are tokens
+/// (the first byte of a line picks its type), lines after an empty line are merges.
+pub fn tokenizer_metadata(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    let mut tokens = Vec::new();
+    let mut types = Vec::new();
+    let mut merges = Vec::new();
+    let mut in_merges = false;
+    for line in text.split('\n').take(4096) {
+        if line.is_empty() {
+            in_merges = true;
+            continue;
+        }
+        if in_merges {
+            merges.push(Value::String(line.to_string()));
+        } else {
+            let ty = match line.as_bytes()[0] % 7 {
+                0 => 3,
+                1 => 4,
+                2 => 5,
+                _ => 1,
+            };
+            tokens.push(Value::String(line.to_string()));
+            types.push(Value::I32(ty));
+        }
+    }
+    let n = tokens.len() as u32;
+    let metadata = vec![
+        (
+            "tokenizer.ggml.model".to_string(),
+            Value::String("gpt2".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".to_string(),
+            Value::String("qwen2".into()),
+        ),
+        (
+            "tokenizer.ggml.tokens".to_string(),
+            Value::Array(ValueType::String, tokens),
+        ),
+        (
+            "tokenizer.ggml.token_type".to_string(),
+            Value::Array(ValueType::I32, types),
+        ),
+        (
+            "tokenizer.ggml.merges".to_string(),
+            Value::Array(ValueType::String, merges),
+        ),
+        (
+            "tokenizer.ggml.eos_token_id".to_string(),
+            Value::U32(n.saturating_sub(1)),
+        ),
+    ];
+    let h = GgufHeader {
+        version: 3,
+        metadata,
+        tensors: Vec::new(),
+        alignment: 32,
+        data_offset: 0,
+    };
+    if let Ok(t) = Tokenizer::from_gguf(&h) {
+        for s in [
+            "Hello, world!",
+            "  spaces\tand\nlines ",
+            "ünïcödé 中文 🙂",
+            &text[..text.len().min(256)],
+        ] {
+            if let Ok(ids) = t.encode(s) {
+                let _ = t.decode(&ids, false);
+            }
+        }
+    }
+}
+
+/// Chat-template rendering of an untrusted template (bounded by fuel and output size).
+pub fn chat_template(data: &[u8]) {
+    let Ok(src) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Ok(t) = ChatTemplate::new(src) {
+        let msgs = [
+            Message::new("system", "s"),
+            Message::new("user", "Hello"),
+            Message::new("assistant", "Hi"),
+        ];
+        let _ = t.render(&msgs, true);
+    }
+}
+
+/// The server's request parsing and validation.
+pub fn server_request(data: &[u8]) {
+    let defaults = refusion_convert::DecodingDefaults::default();
+    let limits = Limits {
+        base: DecodeParams::new(defaults, 1, 2),
+        max_gen_length: 4096,
+    };
+    if let Ok(r) = parse::<ChatRequest>(data) {
+        for m in &r.messages {
+            let _ = m.content.text();
+        }
+        let _ = params_for(&r.knobs, &limits);
+    }
+    if let Ok(r) = parse::<CompletionRequest>(data) {
+        let _ = params_for(&r.knobs, &limits);
+    }
+}
