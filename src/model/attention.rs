@@ -133,52 +133,89 @@ pub fn attend(
     head_dim: usize,
     out: &mut [f32],
 ) {
+    // For a few tokens, per-entry dot products beat a matrix product (its packing overhead).
+    if cache.cache_type() == crate::kv::CacheType::F32
+        && cache.shared_len() > 0
+        && visible.len() >= 4
+    {
+        attend_gemm(q, cache, layer, visible, n_heads, n_kv_heads, head_dim, out);
+    } else {
+        attend_direct(q, cache, layer, visible, n_heads, n_kv_heads, head_dim, out);
+    }
+}
+
+/// The f32-cache path: scores against the shared prefix and the weighted sum of its values are
+/// two matrix products per query head (all tokens of the batch at once), run with the `gemm`
+/// crate straight on the cache's memory; each token's own row entries are added on top.
+#[allow(clippy::too_many_arguments)]
+fn attend_gemm(
+    q: &[f32],
+    cache: &KvCache,
+    layer: usize,
+    visible: &[Visible<'_>],
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    out: &mut [f32],
+) {
     let group = n_heads / n_kv_heads;
     let shared = cache.shared_len();
     let scale = 1.0 / (head_dim as f32).sqrt();
     let avx2 = has_avx2();
-    let chunk = group * head_dim;
-    let n_tasks = out.len() / chunk;
+    let n = visible.len();
+    let max_private = visible.iter().map(|v| v.count).max().unwrap_or(0);
+    let stride = shared + max_private;
     let out_ptr = SharedOut(out.as_mut_ptr());
-    // Run on candle's worker pool (the threads that just ran the matmuls): a second pool would
-    // oversubscribe the cores while candle's workers spin between operations.
-    candle_core::utils::barrier_pool().execute_chunked(n_tasks, |tasks| {
-        for task in tasks {
-            // SAFETY: every task writes its own `chunk` of `out`, which outlives the call.
-            let out =
-                unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(task * chunk), chunk) };
-            let (i, g) = (task / n_kv_heads, task % n_kv_heads);
-            let vis = visible[i];
-            let keys = cache.head(layer, false, g);
-            let values = cache.head(layer, true, g);
-            let n_keys = shared + vis.count;
-            let slot_of = |t: usize| {
-                if t < shared {
-                    t
-                } else {
-                    vis.row_slots[t - shared]
-                }
+    let row = (n_heads * head_dim) as isize;
+    candle_core::utils::barrier_pool().execute_chunked(n_heads, |heads| {
+        for head in heads {
+            let g = head / group;
+            let (HeadView::F32(keys), HeadView::F32(values)) =
+                (cache.head(layer, false, g), cache.head(layer, true, g))
+            else {
+                unreachable!("f32 cache");
             };
             SCRATCH.with(|cell| {
                 let mut cell = cell.borrow_mut();
-                let (scores, kbuf) = &mut *cell;
-                if scores.len() < group * n_keys {
-                    scores.resize(group * n_keys, 0.0);
+                let (scores, _) = &mut *cell;
+                if scores.len() < n * stride {
+                    scores.resize(n * stride, 0.0);
                 }
-                if kbuf.len() < head_dim {
-                    kbuf.resize(head_dim, 0.0);
+                let scores = &mut scores[..n * stride];
+                // S[i, t] = scale * q_i · k_t over the shared prefix.
+                // SAFETY: all pointers address live buffers with the given strides and extents:
+                // q is [n, n_heads, head_dim], keys/values hold `shared` entries of head_dim.
+                unsafe {
+                    gemm::gemm(
+                        n,
+                        shared,
+                        head_dim,
+                        scores.as_mut_ptr(),
+                        1,
+                        stride as isize,
+                        false,
+                        q.as_ptr().add(head * head_dim),
+                        1,
+                        row,
+                        keys.as_ptr(),
+                        head_dim as isize,
+                        1,
+                        0.0,
+                        scale,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
                 }
-                let scores = &mut scores[..group * n_keys];
-                let kbuf = &mut kbuf[..head_dim];
-                for t in 0..n_keys {
-                    let k = entry(&keys, slot_of(t), head_dim, kbuf);
-                    for h in 0..group {
-                        let qh = &q[(i * n_heads + g * group + h) * head_dim..][..head_dim];
-                        scores[h * n_keys + t] = dot(qh, k, avx2) * scale;
+                for (i, vis) in visible.iter().enumerate() {
+                    let qh = &q[(i * n_heads + head) * head_dim..][..head_dim];
+                    for u in 0..vis.count {
+                        let slot = vis.row_slots[u];
+                        scores[i * stride + shared + u] =
+                            dot(qh, &keys[slot * head_dim..(slot + 1) * head_dim], avx2) * scale;
                     }
-                }
-                for h in 0..group {
-                    let s = &mut scores[h * n_keys..(h + 1) * n_keys];
+                    let s = &mut scores[i * stride..i * stride + shared + vis.count];
                     let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
                     let mut sum = 0f32;
                     for x in s.iter_mut() {
@@ -189,12 +226,173 @@ pub fn attend(
                         *x /= sum;
                     }
                 }
-                out.fill(0.0);
-                for t in 0..n_keys {
-                    let v = entry(&values, slot_of(t), head_dim, kbuf);
+                // O[i, :] = sum_t P[i, t] v_t over the shared prefix, then the row entries.
+                // SAFETY: as above; this task writes only column block `head` of `out`.
+                unsafe {
+                    gemm::gemm(
+                        n,
+                        head_dim,
+                        shared,
+                        out_ptr.get().add(head * head_dim),
+                        1,
+                        row,
+                        false,
+                        scores.as_ptr(),
+                        1,
+                        stride as isize,
+                        values.as_ptr(),
+                        1,
+                        head_dim as isize,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                for (i, vis) in visible.iter().enumerate() {
+                    // SAFETY: the (token i, head) slice belongs to this task only.
+                    let o = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            out_ptr.get().add((i * n_heads + head) * head_dim),
+                            head_dim,
+                        )
+                    };
+                    for u in 0..vis.count {
+                        let slot = vis.row_slots[u];
+                        axpy(
+                            o,
+                            scores[i * stride + shared + u],
+                            &values[slot * head_dim..(slot + 1) * head_dim],
+                            avx2,
+                        );
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// The direct path (f16 cache, or an empty shared prefix): dot products per entry.
+#[allow(clippy::too_many_arguments)]
+fn attend_direct(
+    q: &[f32],
+    cache: &KvCache,
+    layer: usize,
+    visible: &[Visible<'_>],
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    out: &mut [f32],
+) {
+    /// Tokens handled together: each shared-prefix entry is read once for all of them.
+    const BLOCK: usize = 8;
+    let group = n_heads / n_kv_heads;
+    let shared = cache.shared_len();
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let avx2 = has_avx2();
+    let n = visible.len();
+    let n_blocks = n.div_ceil(BLOCK);
+    let n_tasks = n_blocks * n_kv_heads;
+    let max_private = visible.iter().map(|v| v.count).max().unwrap_or(0);
+    let stride = shared + max_private;
+    let out_ptr = SharedOut(out.as_mut_ptr());
+    // Run on candle's worker pool (the threads that just ran the matmuls): a second pool would
+    // oversubscribe the cores while candle's workers spin between operations.
+    candle_core::utils::barrier_pool().execute_chunked(n_tasks, |tasks| {
+        for task in tasks {
+            let (b, g) = (task / n_kv_heads, task % n_kv_heads);
+            let toks = b * BLOCK..((b + 1) * BLOCK).min(n);
+            let nt = toks.len();
+            let keys = cache.head(layer, false, g);
+            let values = cache.head(layer, true, g);
+            // Query (token, head) pairs of this task, in order: row index = j * group + h.
+            let q_of = |j: usize, h: usize| {
+                let i = toks.start + j;
+                &q[(i * n_heads + g * group + h) * head_dim..][..head_dim]
+            };
+            SCRATCH.with(|cell| {
+                let mut cell = cell.borrow_mut();
+                let (scores, kbuf) = &mut *cell;
+                let need = nt * group * stride;
+                if scores.len() < need {
+                    scores.resize(need, 0.0);
+                }
+                if kbuf.len() < head_dim {
+                    kbuf.resize(head_dim, 0.0);
+                }
+                let scores = &mut scores[..need];
+                let kbuf = &mut kbuf[..head_dim];
+                // Scores against the shared prefix: one read of each key for the whole block.
+                for t in 0..shared {
+                    let k = entry(&keys, t, head_dim, kbuf);
+                    for j in 0..nt {
+                        for h in 0..group {
+                            scores[(j * group + h) * stride + t] = dot(q_of(j, h), k, avx2) * scale;
+                        }
+                    }
+                }
+                // Scores against each token's own row entries.
+                for j in 0..nt {
+                    let vis = visible[toks.start + j];
+                    for u in 0..vis.count {
+                        let k = entry(&keys, vis.row_slots[u], head_dim, kbuf);
+                        for h in 0..group {
+                            scores[(j * group + h) * stride + shared + u] =
+                                dot(q_of(j, h), k, avx2) * scale;
+                        }
+                    }
+                }
+                for j in 0..nt {
+                    let n_keys = shared + visible[toks.start + j].count;
                     for h in 0..group {
-                        let p = scores[h * n_keys + t];
-                        axpy(&mut out[h * head_dim..(h + 1) * head_dim], p, v, avx2);
+                        let s = &mut scores[(j * group + h) * stride..][..n_keys];
+                        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                        let mut sum = 0f32;
+                        for x in s.iter_mut() {
+                            *x = (*x - max).exp();
+                            sum += *x;
+                        }
+                        for x in s.iter_mut() {
+                            *x /= sum;
+                        }
+                    }
+                }
+                // SAFETY: each task writes the (token, head group) parts of `out` that belong
+                // to its own tokens and KV head: disjoint across tasks; `out` outlives the call.
+                let out_of = |j: usize, h: usize| unsafe {
+                    let i = toks.start + j;
+                    std::slice::from_raw_parts_mut(
+                        out_ptr.get().add((i * n_heads + g * group + h) * head_dim),
+                        head_dim,
+                    )
+                };
+                for j in 0..nt {
+                    for h in 0..group {
+                        out_of(j, h).fill(0.0);
+                    }
+                }
+                for t in 0..shared {
+                    let v = entry(&values, t, head_dim, kbuf);
+                    for j in 0..nt {
+                        for h in 0..group {
+                            axpy(out_of(j, h), scores[(j * group + h) * stride + t], v, avx2);
+                        }
+                    }
+                }
+                for j in 0..nt {
+                    let vis = visible[toks.start + j];
+                    for u in 0..vis.count {
+                        let v = entry(&values, vis.row_slots[u], head_dim, kbuf);
+                        for h in 0..group {
+                            axpy(
+                                out_of(j, h),
+                                scores[(j * group + h) * stride + shared + u],
+                                v,
+                                avx2,
+                            );
+                        }
                     }
                 }
             });
