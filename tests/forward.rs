@@ -224,3 +224,42 @@ fn logits_for_a_subset_and_full_context_error() {
         .unwrap_err();
     assert!(err.to_string().contains("outside the vocabulary"), "{err}");
 }
+
+/// A qwen3 GGUF written by llama.cpp's own `gguf` library (not by us), and the same file
+/// marked GGUF v2, load and give transformers' logits.
+#[test]
+fn files_written_by_llama_cpp_s_gguf_library_and_v2_files_load() {
+    let python = std::env::var("REFUSION_PYTHON").unwrap_or_else(|_| "python3".into());
+    let fw = load_forward_json();
+    let tmp = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/interop/write_with_gguf_py.py");
+    for name in ["pub-b", "pub-c"] {
+        let out = tmp.path().join(format!("{name}-gguf-py.gguf"));
+        let o = std::process::Command::new(&python)
+            .arg(&script)
+            .arg(fixture_model(name))
+            .arg(&out)
+            .output()
+            .expect("python3 with gguf and numpy is needed");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v2 = tmp.path().join(format!("{name}-v2.gguf"));
+        let mut bytes = std::fs::read(&out).unwrap();
+        bytes[4..8].copy_from_slice(&2u32.to_le_bytes());
+        std::fs::write(&v2, bytes).unwrap();
+        for file in [&out, &v2] {
+            let model = Qwen3::load(Arc::new(GgufFile::open(file).unwrap()), &Device::Cpu).unwrap();
+            for (call, worst, argmax) in
+                run_calls(&model, &fw["models"][name], CacheType::F32, 1e-4)
+            {
+                assert!(
+                    worst <= 1.0 && argmax,
+                    "{} {call}: error {worst}",
+                    file.display()
+                );
+            }
+            let t = refusion::chat::Tokenizer::from_gguf(&GgufFile::open(file).unwrap().header)
+                .unwrap();
+            assert!(t.mask_id.is_some());
+        }
+    }
+}

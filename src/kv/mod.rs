@@ -471,8 +471,15 @@ impl KvCache {
     pub fn load_prefix(&mut self, path: &Path, model_hash: u64) -> Result<SavedPrefix> {
         self.crop(0);
         let bad = |m: &str| Error::msg(format!("{}: {m}", path.display()));
-        let bytes =
-            std::fs::read(path).map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
+        let io = |e: std::io::Error| Error::msg(format!("{}: {e}", path.display()));
+        let file = std::fs::File::open(path).map_err(io)?;
+        if file.metadata().map_err(io)?.len() < SAVE_HEADER as u64 {
+            return Err(bad("not a refusion KV cache file (too short)"));
+        }
+        // SAFETY: a read-only map of a file we only read; every offset is checked against its
+        // length before use.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let bytes: &[u8] = &map;
         if bytes.len() < SAVE_HEADER || &bytes[..4] != SAVE_MAGIC {
             return Err(bad("not a refusion KV cache file"));
         }
