@@ -10,23 +10,6 @@ use std::process::{Command, Stdio};
 use common::*;
 use serde_json::Value;
 
-fn tiny_model(dir: &Path) -> std::path::PathBuf {
-    let ckpt = dir.join("ckpt");
-    build_refusion_vocab_checkpoint(&ckpt, TokLayout::Fast);
-    let out = dir.join("tiny.gguf");
-    let o = run(&[
-        "convert",
-        ckpt.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-        "--outtype",
-        "q8_0",
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    out
-}
-
 fn chat(model: &Path, input: &str) -> (String, String) {
     let mut child = Command::new(bin())
         .args([
@@ -77,7 +60,7 @@ fn reuse(stderr: &str) -> Vec<(usize, usize)> {
 #[test]
 fn two_turns_reuse_the_cache_and_sessions_save_and_load() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tiny_model(tmp.path());
+    let model = tiny_refusion_gguf(tmp.path());
     let saved = tmp.path().join("conv.kv");
     let script = format!(
         "Hello there\nAnd a second question\n/save {0}\n/reset\nFresh start\n/load {0}\nThird turn\n/exit\n",
@@ -174,7 +157,7 @@ fn generate_json(model: &Path, cache: &Path) -> Value {
 #[test]
 fn prompt_cache_reuse_matches_a_cold_run_and_refuses_bad_files() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tiny_model(tmp.path());
+    let model = tiny_refusion_gguf(tmp.path());
     let cache = tmp.path().join("prompt.kv");
     let cold = generate_json(&model, &cache);
     assert!(cache.exists());
@@ -236,7 +219,7 @@ fn prompt_cache_reuse_matches_a_cold_run_and_refuses_bad_files() {
 fn ctrl_c_stops_the_current_answer_and_the_chat_goes_on() {
     use std::io::Read;
     let tmp = tempfile::tempdir().unwrap();
-    let model = tiny_model(tmp.path());
+    let model = tiny_refusion_gguf(tmp.path());
     let mut child = Command::new(bin())
         .args([
             "chat",

@@ -94,27 +94,10 @@ impl Server {
     }
 }
 
-fn tiny_model(dir: &Path) -> std::path::PathBuf {
-    let ckpt = dir.join("ckpt");
-    build_refusion_vocab_checkpoint(&ckpt, TokLayout::Fast);
-    let out = dir.join("tiny.gguf");
-    let o = run(&[
-        "convert",
-        ckpt.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-        "--outtype",
-        "q8_0",
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    out
-}
-
 #[test]
 fn openai_client_api_errors_and_cancellation() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tiny_model(tmp.path());
+    let model = tiny_refusion_gguf(tmp.path());
     let server = Server::start(&model, &[]);
     server.client("api");
     std::thread::sleep(Duration::from_millis(200));
@@ -125,7 +108,7 @@ fn openai_client_api_errors_and_cancellation() {
 #[test]
 fn load_busy_and_auth() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tiny_model(tmp.path());
+    let model = tiny_refusion_gguf(tmp.path());
     let server = Server::start(&model, &[]);
     server.client("load");
     drop(server);

@@ -64,50 +64,6 @@ impl RowSource for SafetensorsRows<'_> {
     }
 }
 
-/// The expected (HF name, GGUF name, PyTorch shape) of every tensor of the model.
-fn expected_tensors(cfg: &Qwen3Config) -> Vec<(String, String, Vec<u64>)> {
-    let (h, v, ff) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
-    let q = cfg.num_attention_heads * cfg.head_dim;
-    let kv = cfg.num_key_value_heads * cfg.head_dim;
-    let mut out = vec![(
-        names::EMBED.0.to_string(),
-        names::EMBED.1.to_string(),
-        vec![v, h],
-    )];
-    for layer in 0..cfg.num_hidden_layers {
-        for (hf, gg) in names::LAYER_TENSORS {
-            let shape = match gg {
-                "attn_norm.weight" | "ffn_norm.weight" => vec![h],
-                "attn_q.weight" => vec![q, h],
-                "attn_k.weight" | "attn_v.weight" => vec![kv, h],
-                "attn_output.weight" => vec![h, q],
-                "attn_q_norm.weight" | "attn_k_norm.weight" => vec![cfg.head_dim],
-                "ffn_gate.weight" | "ffn_up.weight" => vec![ff, h],
-                "ffn_down.weight" => vec![h, ff],
-                other => unreachable!("unlisted layer tensor {other}"),
-            };
-            out.push((
-                format!("model.layers.{layer}.{hf}"),
-                format!("blk.{layer}.{gg}"),
-                shape,
-            ));
-        }
-    }
-    out.push((
-        names::FINAL_NORM.0.to_string(),
-        names::FINAL_NORM.1.to_string(),
-        vec![h],
-    ));
-    if !cfg.tie_word_embeddings {
-        out.push((
-            names::LM_HEAD.0.to_string(),
-            names::LM_HEAD.1.to_string(),
-            vec![v, h],
-        ));
-    }
-    out
-}
-
 fn u32_of(what: &str, v: u64) -> Result<Value> {
     u32::try_from(v)
         .map(Value::U32)
@@ -244,7 +200,7 @@ impl Checkpoint {
         opts.decoding.validate().map_err(Error::usage)?;
         let cfg = &self.config;
         let config_path = self.dir.join("config.json");
-        let expected = expected_tensors(cfg);
+        let expected = names::checkpoint_tensors(cfg);
         let shape = ModelShape {
             n_layers: cfg.num_hidden_layers as usize,
             n_gqa: cfg.num_attention_heads / cfg.num_key_value_heads,

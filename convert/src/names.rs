@@ -1,5 +1,7 @@
 //! Checkpoint tensor names and the llama.cpp `qwen3` names they become.
 
+use crate::hf::config::Qwen3Config;
+
 /// The tensors of one Qwen3 layer: (Hugging Face suffix after `model.layers.N.`, GGUF suffix
 /// after `blk.N.`), in the order they are written.
 pub const LAYER_TENSORS: [(&str, &str); 11] = [
@@ -19,6 +21,38 @@ pub const LAYER_TENSORS: [(&str, &str); 11] = [
 pub const EMBED: (&str, &str) = ("model.embed_tokens.weight", "token_embd.weight");
 pub const FINAL_NORM: (&str, &str) = ("model.norm.weight", "output_norm.weight");
 pub const LM_HEAD: (&str, &str) = ("lm_head.weight", "output.weight");
+
+/// The expected (HF name, GGUF name, PyTorch shape) of every tensor of the model.
+pub fn checkpoint_tensors(cfg: &Qwen3Config) -> Vec<(String, String, Vec<u64>)> {
+    let (h, v, ff) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
+    let q = cfg.num_attention_heads * cfg.head_dim;
+    let kv = cfg.num_key_value_heads * cfg.head_dim;
+    let mut out = vec![(EMBED.0.to_string(), EMBED.1.to_string(), vec![v, h])];
+    for layer in 0..cfg.num_hidden_layers {
+        for (hf, gg) in LAYER_TENSORS {
+            let shape = match gg {
+                "attn_norm.weight" | "ffn_norm.weight" => vec![h],
+                "attn_q.weight" => vec![q, h],
+                "attn_k.weight" | "attn_v.weight" => vec![kv, h],
+                "attn_output.weight" => vec![h, q],
+                "attn_q_norm.weight" | "attn_k_norm.weight" => vec![cfg.head_dim],
+                "ffn_gate.weight" | "ffn_up.weight" => vec![ff, h],
+                "ffn_down.weight" => vec![h, ff],
+                other => unreachable!("unlisted layer tensor {other}"),
+            };
+            out.push((
+                format!("model.layers.{layer}.{hf}"),
+                format!("blk.{layer}.{gg}"),
+                shape,
+            ));
+        }
+    }
+    out.push((FINAL_NORM.0.to_string(), FINAL_NORM.1.to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push((LM_HEAD.0.to_string(), LM_HEAD.1.to_string(), vec![v, h]));
+    }
+    out
+}
 
 /// Checkpoint entries that carry no weights llama.cpp needs (older exports keep RoPE tables).
 pub fn is_ignorable(hf_name: &str) -> bool {

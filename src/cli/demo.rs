@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use half::bf16;
+use refusion_convert::hf::config::Qwen3Config;
+use refusion_convert::names::checkpoint_tensors;
 use refusion_convert::{ConvertOptions, Verbosity};
 
 use super::generate::GenerateArgs;
@@ -57,26 +59,28 @@ const SHAPE: Shape = Shape {
     vocab: 151_671,
 };
 
+/// The checkpoint's tensors (PyTorch names and shapes), from the converter's own list.
 fn tensors(s: &Shape) -> Vec<(String, Vec<usize>)> {
-    let (h, q, kv) = (s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim);
-    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![s.vocab, h])];
-    for l in 0..s.layers {
-        let p = |n: &str| format!("model.layers.{l}.{n}.weight");
-        v.push((p("input_layernorm"), vec![h]));
-        v.push((p("self_attn.q_proj"), vec![q, h]));
-        v.push((p("self_attn.k_proj"), vec![kv, h]));
-        v.push((p("self_attn.v_proj"), vec![kv, h]));
-        v.push((p("self_attn.o_proj"), vec![h, q]));
-        v.push((p("self_attn.q_norm"), vec![s.head_dim]));
-        v.push((p("self_attn.k_norm"), vec![s.head_dim]));
-        v.push((p("post_attention_layernorm"), vec![h]));
-        v.push((p("mlp.gate_proj"), vec![s.ffn, h]));
-        v.push((p("mlp.up_proj"), vec![s.ffn, h]));
-        v.push((p("mlp.down_proj"), vec![h, s.ffn]));
-    }
-    v.push(("model.norm.weight".to_string(), vec![h]));
-    v.push(("lm_head.weight".to_string(), vec![s.vocab, h]));
-    v
+    let cfg = Qwen3Config {
+        hidden_size: s.hidden as u64,
+        intermediate_size: s.ffn as u64,
+        num_hidden_layers: s.layers as u64,
+        num_attention_heads: s.heads as u64,
+        num_key_value_heads: s.kv_heads as u64,
+        head_dim: s.head_dim as u64,
+        vocab_size: s.vocab as u64,
+        tie_word_embeddings: false,
+        rope_theta: 1e6,
+        rms_norm_eps: 1e-6,
+        max_position_embeddings: 40960,
+        bos_token_id: None,
+        eos_token_id: None,
+        mask_token_id: None,
+    };
+    checkpoint_tensors(&cfg)
+        .into_iter()
+        .map(|(hf, _, shape)| (hf, shape.iter().map(|&d| d as usize).collect()))
+        .collect()
 }
 
 /// Writes `model.safetensors` with random bf16 weights (norms near 1).

@@ -422,47 +422,59 @@ impl KvCache {
         let es = self.ty.size();
         let entry_bytes = self.shape.head_dim * es;
         let n_heads = self.shape.n_layers * 2 * self.shape.n_kv_heads;
-        let mut body = Vec::with_capacity(8 * n + extra.len() + n * n_heads * entry_bytes);
-        for &t in tokens {
-            body.extend_from_slice(&t.to_le_bytes());
+        let tokens_le: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let positions_le: Vec<u8> = entries
+            .iter()
+            .flat_map(|&i| self.shared_pos[i].to_le_bytes())
+            .collect();
+        // The K/V entries are read straight from the cache, once for the checksum and once for
+        // the file: no copy of the payload is built.
+        let entry = |head: usize, i: usize| {
+            let off = self.offset(head, i) * es;
+            &self.mmap[off..off + entry_bytes]
+        };
+        let mut sum = refusion_convert::gguf::Fnv1a::default();
+        for part in [&tokens_le[..], &positions_le[..], extra] {
+            sum.update(part);
         }
-        for &i in &entries {
-            body.extend_from_slice(&self.shared_pos[i].to_le_bytes());
-        }
-        body.extend_from_slice(extra);
         for head in 0..n_heads {
             for &i in &entries {
-                let off = self.offset(head, i) * es;
-                body.extend_from_slice(&self.mmap[off..off + entry_bytes]);
+                sum.update(entry(head, i));
             }
         }
-        let mut out = Vec::with_capacity(SAVE_HEADER + body.len());
-        out.extend_from_slice(SAVE_MAGIC);
-        out.extend_from_slice(&SAVE_VERSION.to_le_bytes());
-        out.extend_from_slice(&model_hash.to_le_bytes());
+        let mut header = Vec::with_capacity(SAVE_HEADER);
+        header.extend_from_slice(SAVE_MAGIC);
+        header.extend_from_slice(&SAVE_VERSION.to_le_bytes());
+        header.extend_from_slice(&model_hash.to_le_bytes());
         for v in [
             matches!(self.ty, CacheType::F16) as u32,
             self.shape.n_layers as u32,
             self.shape.n_kv_heads as u32,
             self.shape.head_dim as u32,
         ] {
-            out.extend_from_slice(&v.to_le_bytes());
+            header.extend_from_slice(&v.to_le_bytes());
         }
-        out.extend_from_slice(&(n as u64).to_le_bytes());
-        out.extend_from_slice(&(extra.len() as u64).to_le_bytes());
-        out.extend_from_slice(&refusion_convert::gguf::fnv1a(&body).to_le_bytes());
-        out.extend_from_slice(&body);
-        let mut tmp = path.as_os_str().to_os_string();
-        tmp.push(".partial");
-        let tmp = std::path::PathBuf::from(tmp);
+        header.extend_from_slice(&(n as u64).to_le_bytes());
+        header.extend_from_slice(&(extra.len() as u64).to_le_bytes());
+        header.extend_from_slice(&sum.finish().to_le_bytes());
+
         let io = |e: std::io::Error| Error::msg(format!("{}: {e}", path.display()));
+        let mut out = refusion_convert::output::AtomicFile::create(path)?;
         {
             use std::io::Write;
-            let mut f = std::fs::File::create(&tmp).map_err(io)?;
-            f.write_all(&out).map_err(io)?;
-            f.sync_all().map_err(io)?;
+            let mut w = std::io::BufWriter::new(out.file());
+            for part in [&header[..], &tokens_le[..], &positions_le[..], extra] {
+                w.write_all(part).map_err(io)?;
+            }
+            for head in 0..n_heads {
+                for &i in &entries {
+                    w.write_all(entry(head, i)).map_err(io)?;
+                }
+            }
+            w.flush().map_err(io)?;
         }
-        std::fs::rename(&tmp, path).map_err(io)
+        out.commit()?;
+        Ok(())
     }
 
     /// Replaces the cache's contents with a saved prefix. Any mismatch (another model, cache

@@ -266,20 +266,21 @@ impl Forward for Qwen3 {
         }
         let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let mut x = self.embed(&batch.tokens)?;
+        // Which private slots each token sees: its row's earlier entries and its own. Count
+        // each row's entries before this batch's land.
+        let mut seen: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+        for &r in &batch.rows {
+            seen.entry(r as usize)
+                .or_insert_with(|| cache.row_len(r as usize));
+        }
         let slots = cache.allocate(&batch.rows, &batch.positions)?;
-
-        // Which private slots each token sees: its row's entries up to its own.
-        let mut row_counts = std::collections::HashMap::new();
         let counts: Vec<(usize, usize)> = batch
             .rows
             .iter()
             .map(|&r| {
-                let r = r as usize;
-                let before =
-                    cache.row_len(r) - batch.rows.iter().filter(|&&b| b as usize == r).count();
-                let seen = row_counts.entry(r).or_insert(before);
-                *seen += 1;
-                (r, *seen)
+                let c = seen.entry(r as usize).or_default();
+                *c += 1;
+                (r as usize, *c)
             })
             .collect();
 

@@ -8,6 +8,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use refusion::convert::hf::config::Qwen3Config;
+use refusion::convert::names;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value as Json};
 
@@ -119,29 +121,29 @@ impl Rng {
     }
 }
 
-/// The tensors (PyTorch names and shapes) of a Qwen3 checkpoint of this shape.
+/// The tensors (PyTorch names and shapes) of a Qwen3 checkpoint of this shape, from the
+/// converter's own list.
 pub fn tensor_shapes(t: &Tiny) -> Vec<(String, Vec<usize>)> {
-    let (h, q, kv) = (t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim);
-    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![t.vocab, h])];
-    for l in 0..t.layers {
-        let p = format!("model.layers.{l}.");
-        v.push((p.clone() + "input_layernorm.weight", vec![h]));
-        v.push((p.clone() + "self_attn.q_proj.weight", vec![q, h]));
-        v.push((p.clone() + "self_attn.k_proj.weight", vec![kv, h]));
-        v.push((p.clone() + "self_attn.v_proj.weight", vec![kv, h]));
-        v.push((p.clone() + "self_attn.o_proj.weight", vec![h, q]));
-        v.push((p.clone() + "self_attn.q_norm.weight", vec![t.head_dim]));
-        v.push((p.clone() + "self_attn.k_norm.weight", vec![t.head_dim]));
-        v.push((p.clone() + "post_attention_layernorm.weight", vec![h]));
-        v.push((p.clone() + "mlp.gate_proj.weight", vec![t.ffn, h]));
-        v.push((p.clone() + "mlp.up_proj.weight", vec![t.ffn, h]));
-        v.push((p.clone() + "mlp.down_proj.weight", vec![h, t.ffn]));
-    }
-    v.push(("model.norm.weight".to_string(), vec![h]));
-    if !t.tied {
-        v.push(("lm_head.weight".to_string(), vec![t.vocab, h]));
-    }
-    v
+    let cfg = Qwen3Config {
+        hidden_size: t.hidden as u64,
+        intermediate_size: t.ffn as u64,
+        num_hidden_layers: t.layers as u64,
+        num_attention_heads: t.heads as u64,
+        num_key_value_heads: t.kv_heads as u64,
+        head_dim: t.head_dim as u64,
+        vocab_size: t.vocab as u64,
+        tie_word_embeddings: t.tied,
+        rope_theta: 1e6,
+        rms_norm_eps: 1e-6,
+        max_position_embeddings: 4096,
+        bos_token_id: None,
+        eos_token_id: None,
+        mask_token_id: None,
+    };
+    names::checkpoint_tensors(&cfg)
+        .into_iter()
+        .map(|(hf, _, shape)| (hf, shape.iter().map(|&d| d as usize).collect()))
+        .collect()
 }
 
 pub fn config_json(t: &Tiny) -> Json {
@@ -337,34 +339,37 @@ pub fn read_safetensors_f32(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f3
 
 /// The GGUF name of a checkpoint tensor.
 pub fn gguf_name(hf: &str) -> String {
-    let map = [
-        ("input_layernorm.weight", "attn_norm.weight"),
-        ("self_attn.q_proj.weight", "attn_q.weight"),
-        ("self_attn.k_proj.weight", "attn_k.weight"),
-        ("self_attn.v_proj.weight", "attn_v.weight"),
-        ("self_attn.o_proj.weight", "attn_output.weight"),
-        ("self_attn.q_norm.weight", "attn_q_norm.weight"),
-        ("self_attn.k_norm.weight", "attn_k_norm.weight"),
-        ("post_attention_layernorm.weight", "ffn_norm.weight"),
-        ("mlp.gate_proj.weight", "ffn_gate.weight"),
-        ("mlp.up_proj.weight", "ffn_up.weight"),
-        ("mlp.down_proj.weight", "ffn_down.weight"),
-    ];
-    match hf {
-        "model.embed_tokens.weight" => "token_embd.weight".into(),
-        "model.norm.weight" => "output_norm.weight".into(),
-        "lm_head.weight" => "output.weight".into(),
-        _ => {
-            let rest = hf.strip_prefix("model.layers.").expect("layer tensor");
-            let (layer, suffix) = rest.split_once('.').unwrap();
-            let g = map
-                .iter()
-                .find(|(h, _)| *h == suffix)
-                .expect("known suffix")
-                .1;
-            format!("blk.{layer}.{g}")
+    for (h, g) in [names::EMBED, names::FINAL_NORM, names::LM_HEAD] {
+        if hf == h {
+            return g.to_string();
         }
     }
+    let rest = hf.strip_prefix("model.layers.").expect("layer tensor");
+    let (layer, suffix) = rest.split_once('.').unwrap();
+    let g = names::LAYER_TENSORS
+        .iter()
+        .find(|(h, _)| *h == suffix)
+        .expect("known suffix")
+        .1;
+    format!("blk.{layer}.{g}")
+}
+
+/// A tiny model with the real ReFusion vocabulary, converted to Q8_0 in `dir`.
+pub fn tiny_refusion_gguf(dir: &Path) -> PathBuf {
+    let ckpt = dir.join("ckpt");
+    build_refusion_vocab_checkpoint(&ckpt, TokLayout::Fast);
+    let out = dir.join("tiny.gguf");
+    let o = run(&[
+        "convert",
+        ckpt.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--outtype",
+        "q8_0",
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    out
 }
 
 /// A tiny model with the real ReFusion vocabulary (151671 ids, `<|mask|>` 151670) and the real

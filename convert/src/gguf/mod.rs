@@ -9,7 +9,7 @@ mod types;
 mod value;
 mod write;
 
-pub use read::{fnv1a, GgufFile, GgufHeader, TensorInfo};
+pub use read::{fnv1a, Fnv1a, GgufFile, GgufHeader, TensorInfo};
 pub use types::{FileType, GgmlType};
 pub use value::{Value, ValueType};
 pub use write::{GgufWriter, TensorSpec};
