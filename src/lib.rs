@@ -10,6 +10,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod kv;
 pub mod model;
+pub mod plan;
 pub mod runtime;
 pub mod server;
 pub mod session;

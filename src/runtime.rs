@@ -11,7 +11,8 @@ use refusion_convert::gguf::GgufFile;
 use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
 use crate::kv::{CacheType, KvCache};
-use crate::model::{Forward, Qwen3};
+use crate::model::{Forward, Offload, Qwen3, Qwen3Config};
+use crate::plan::{GpuInfo, GpuLayers, MemoryPlan, ModelSizes, PlanRequest};
 
 /// Where the forward runs (`--device`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,7 +61,38 @@ impl DeviceChoice {
 
 #[cfg(feature = "cuda")]
 fn open_cuda(n: usize) -> Result<Device> {
-    Device::new_cuda(n).map_err(|e| Error::msg(format!("cannot open CUDA device {n}: {e}")))
+    // candle reports a missing device or driver as a multi-line debug dump: keep one line.
+    Device::new_cuda(n).map_err(|e| {
+        let e = e.to_string();
+        let first = e
+            .lines()
+            .next()
+            .unwrap_or("unknown error")
+            .trim()
+            .to_string();
+        Error::msg(format!("cannot open CUDA device {n}: {first}"))
+    })
+}
+
+/// The GPU's name and free memory, for the plan.
+#[cfg(feature = "cuda")]
+fn gpu_info(device: &Device) -> Option<GpuInfo> {
+    let Device::Cuda(cd) = device else {
+        return None;
+    };
+    let stream = cd.cuda_stream();
+    let ctx = stream.context();
+    let (free, _total) = ctx.mem_get_info().ok()?;
+    let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+    Some(GpuInfo {
+        name: format!("CUDA{} ({name})", ctx.ordinal()),
+        free: free as u64,
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_info(_device: &Device) -> Option<GpuInfo> {
+    None
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -79,6 +111,10 @@ pub struct LoadOptions {
     pub cache_type: CacheType,
     pub kv_file: Option<PathBuf>,
     pub device: DeviceChoice,
+    /// `-ngl`; `None` means auto (and no warning when there is no GPU).
+    pub gpu_layers: Option<GpuLayers>,
+    /// Most tokens per forward chunk (`-ub`); the plan may lower it to fit the GPU.
+    pub ubatch: usize,
     pub verbose: bool,
 }
 
@@ -89,6 +125,7 @@ pub struct Loaded {
     pub load_seconds: f64,
     /// The context (`-c`) in tokens: prompt plus answer.
     pub context: usize,
+    pub plan: MemoryPlan,
     cache_type: CacheType,
     kv_file: Option<PathBuf>,
     verbose: bool,
@@ -98,8 +135,10 @@ impl Loaded {
     /// A KV cache of `capacity` entries (the context plus any scratch the caller needs).
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         let shape = self.model.cache_shape(capacity);
-        let kv_bytes =
-            (shape.bytes_per_token(self.cache_type) as u64).saturating_mul(capacity as u64);
+        let host_layers = shape.n_layers - self.model.gpu_layers().min(shape.n_layers);
+        let kv_bytes = (shape.layer_bytes_per_token(self.cache_type) as u64)
+            .saturating_mul(host_layers as u64)
+            .saturating_mul(capacity as u64);
         if self.kv_file.is_none() {
             if let Some(avail) = available_memory() {
                 if kv_bytes > avail {
@@ -114,10 +153,9 @@ impl Loaded {
                 }
             }
         }
-        let cache = match &self.kv_file {
-            Some(p) => KvCache::with_file(shape, self.cache_type, p)?,
-            None => KvCache::new(shape, self.cache_type)?,
-        };
+        let cache = self
+            .model
+            .new_cache(capacity, self.cache_type, self.kv_file.as_deref())?;
         if self.verbose {
             let per_token = shape.bytes_per_token(self.cache_type);
             eprintln!(
@@ -167,32 +205,40 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
     let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
     let tokenizer = Tokenizer::from_gguf(&file.header).map_err(in_file)?;
     let device = opts.device.open()?;
-    // The weights are copied out of the map once (candle's x86 kernels may keep a repacked
-    // copy of Q4_K/Q6_K/Q8_0 weights too): check the plan before allocating anything.
-    if let Some(avail) = available_memory() {
-        let mut need = 0u64;
-        for t in &file.header.tensors {
-            if t.name == "token_embd.weight" && file.header.tensor("output.weight").is_some() {
-                continue; // rows are decoded from the map as needed
-            }
-            let repack = matches!(
-                t.ty,
-                refusion_convert::gguf::GgmlType::Q4_K
-                    | refusion_convert::gguf::GgmlType::Q6_K
-                    | refusion_convert::gguf::GgmlType::Q8_0
-            );
-            need = need.saturating_add(t.n_bytes * if repack { 2 } else { 1 });
-        }
-        if need > avail {
-            return Err(in_file(Error::msg(format!(
-                "the weights need about {} of memory (with candle's repacked copies) but only {} is available; \
-                 use a smaller quantization",
-                mib(need),
-                mib(avail)
-            ))));
+    let cfg = Qwen3Config::from_gguf(&file.header).map_err(in_file)?;
+    let context = if opts.context == 0 {
+        cfg.context_length
+    } else {
+        opts.context
+    };
+    let gpu = gpu_info(&device);
+    if gpu.is_none() {
+        if let Some(GpuLayers::Count(n)) = opts.gpu_layers.filter(|&l| l != GpuLayers::Count(0)) {
+            eprintln!("warning: -ngl {n} has no effect: running on the CPU");
         }
     }
-    let model = Qwen3::load(file.clone(), &device).map_err(in_file)?;
+    // Place the layers and check every device's share before allocating anything.
+    let sizes = ModelSizes::from_gguf(&file.header, &cfg, opts.cache_type);
+    let request = PlanRequest {
+        gpu,
+        layers: opts.gpu_layers.unwrap_or(GpuLayers::Auto),
+        host_available: available_memory(),
+        kv_in_file: opts.kv_file.is_some(),
+        context,
+        ubatch: opts.ubatch,
+    };
+    let plan = MemoryPlan::new(&sizes, &request)
+        .map_err(|r| in_file(Error::msg(format!("{}\n{}", r.reason, r.plan))))?;
+    if plan.gpu.is_some() || opts.verbose {
+        eprintln!("{plan}");
+    }
+    let offload = (plan.gpu_layers > 0 || plan.output_on_gpu).then(|| Offload {
+        device: device.clone(),
+        layers: plan.gpu_layers,
+        output: plan.output_on_gpu,
+    });
+    let mut model = Qwen3::load_offloaded(file.clone(), offload).map_err(in_file)?;
+    model.set_ubatch(plan.ubatch);
     let cfg = model.config();
     if tokenizer.vocab_size() > cfg.vocab {
         return Err(in_file(Error::msg(format!(
@@ -201,11 +247,6 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
             cfg.vocab
         ))));
     }
-    let context = if opts.context == 0 {
-        cfg.context_length
-    } else {
-        opts.context
-    };
     let load_seconds = start.elapsed().as_secs_f64();
     if opts.verbose {
         eprintln!(
@@ -224,6 +265,7 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
         tokenizer,
         load_seconds,
         context,
+        plan,
         cache_type: opts.cache_type,
         kv_file: opts.kv_file.clone(),
         verbose: opts.verbose,

@@ -81,11 +81,24 @@ impl<'m, M: Forward + ?Sized> Session<'m, M> {
             .count();
         n = n.min(prompt.len().saturating_sub(1));
         if n < self.cache.shared_len() || n < self.cached.len() {
-            self.cache.retain_shared(|_, pos| (pos as usize) < n);
+            n = self.keep_positions(n);
             self.cached.truncate(n);
         }
         self.cache.clear_rows();
         n
+    }
+
+    /// Keeps the shared entries at positions `0..n`; on a device error, keeps nothing (the
+    /// next prompt is then fed whole). Returns how many positions are kept.
+    fn keep_positions(&mut self, n: usize) -> usize {
+        match self.cache.retain_shared(|_, pos| (pos as usize) < n) {
+            Ok(()) => n,
+            Err(_) => {
+                self.cache.crop(0);
+                self.cached.clear();
+                0
+            }
+        }
     }
 
     /// Generates after `prompt` (token ids), reusing the cache where the prompt starts with what
@@ -115,7 +128,7 @@ impl<'m, M: Forward + ?Sized> Session<'m, M> {
                 } else {
                     self.last_reused
                 };
-                self.cache.retain_shared(|_, pos| (pos as usize) < keep);
+                let keep = self.keep_positions(keep);
                 self.cached = prompt[..keep.min(self.cache.shared_len())].to_vec();
                 return Err(e);
             }
@@ -132,8 +145,8 @@ impl<'m, M: Forward + ?Sized> Session<'m, M> {
             }
             tokens.push(t);
         }
-        let end = tokens.len();
-        self.cache.retain_shared(|_, pos| (pos as usize) < end);
+        let end = self.keep_positions(tokens.len());
+        tokens.truncate(end);
         self.cached = tokens;
         Ok(r)
     }

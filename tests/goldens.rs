@@ -9,8 +9,8 @@ use candle_core::Device;
 use common::*;
 use refusion::convert::gguf::GgufFile;
 use refusion::decode::{generate, DecodeParams};
-use refusion::kv::{CacheType, KvCache};
-use refusion::model::Qwen3;
+use refusion::kv::CacheType;
+use refusion::model::{Offload, Qwen3};
 use serde_json::Value;
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -36,8 +36,45 @@ fn params(case: &Value) -> DecodeParams {
     }
 }
 
+/// The device that stands in for a GPU in the offload tests: candle's CPU device (the same
+/// tensor code path), or the GPU when `REFUSION_TEST_DEVICE=cuda` (scripts/gpu-check.sh).
+fn offload_device() -> Device {
+    match std::env::var("REFUSION_TEST_DEVICE").as_deref() {
+        Ok("cuda") => Device::new_cuda(0).expect("REFUSION_TEST_DEVICE=cuda but no CUDA device"),
+        _ => Device::Cpu,
+    }
+}
+
 #[test]
 fn every_public_golden_case_matches_exactly() {
+    check_every_case(None, None);
+}
+
+#[test]
+fn every_public_golden_case_matches_with_all_layers_offloaded() {
+    check_every_case(
+        Some(Offload {
+            device: offload_device(),
+            layers: usize::MAX,
+            output: true,
+        }),
+        None,
+    );
+}
+
+#[test]
+fn every_public_golden_case_matches_with_one_layer_offloaded_and_small_chunks() {
+    check_every_case(
+        Some(Offload {
+            device: offload_device(),
+            layers: 1,
+            output: false,
+        }),
+        Some(3),
+    );
+}
+
+fn check_every_case(offload: Option<Offload>, ubatch: Option<usize>) {
     let text = std::fs::read_to_string(fixtures().join("goldens_public.json")).unwrap();
     let goldens: Value = serde_json::from_str(&text).unwrap();
     let tmp = tempfile::tempdir().unwrap();
@@ -54,7 +91,11 @@ fn every_public_golden_case_matches_exactly() {
             "-q",
         ]);
         assert!(o.status.success(), "{}", stderr(&o));
-        let model = Qwen3::load(Arc::new(GgufFile::open(&out).unwrap()), &Device::Cpu).unwrap();
+        let file = Arc::new(GgufFile::open(&out).unwrap());
+        let mut model = Qwen3::load_offloaded(file, offload.clone()).unwrap();
+        if let Some(n) = ubatch {
+            model.set_ubatch(n);
+        }
         models.insert(name.to_string(), model);
     }
     let mut failures = Vec::new();
@@ -66,7 +107,7 @@ fn every_public_golden_case_matches_exactly() {
         let prompt = ids(&case["prompt_ids"]);
         let p = params(case);
         let capacity = prompt.len() + 2 * p.padded_gen_length() as usize + 8;
-        let mut cache = KvCache::new(model.cache_shape(capacity), CacheType::F32).unwrap();
+        let mut cache = model.new_cache(capacity, CacheType::F32, None).unwrap();
         let r = generate(model, &mut cache, &prompt, &p, &mut |_| {}).unwrap();
         let want = ids(&case["tokens"]);
         let want_tpf = case["tpf"].as_f64().unwrap();
@@ -86,7 +127,7 @@ fn every_public_golden_case_matches_exactly() {
         if let Some(bug) = case.get("seed_bug_tokens") {
             let mut p = p.clone();
             p.reference_eos_bug = true;
-            let mut cache = KvCache::new(model.cache_shape(capacity), CacheType::F32).unwrap();
+            let mut cache = model.new_cache(capacity, CacheType::F32, None).unwrap();
             let r = generate(model, &mut cache, &prompt, &p, &mut |_| {}).unwrap();
             assert_eq!(r.tokens, ids(bug), "{id}: seed bug tokens");
         }

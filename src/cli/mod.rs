@@ -43,7 +43,7 @@ enum Command {
 
 /// Runs the command line and returns the process exit code.
 pub fn main() -> i32 {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(std::env::args_os().map(llama_cpp_flag));
     let result = match cli.command {
         Command::Convert(args) => convert_cmd::convert(args),
         Command::Quantize(args) => convert_cmd::quantize(args),
@@ -68,6 +68,22 @@ pub fn main() -> i32 {
             1
         }
     }
+}
+
+/// llama.cpp's multi-letter short flags, which clap cannot declare, as their long forms.
+fn llama_cpp_flag(arg: std::ffi::OsString) -> std::ffi::OsString {
+    let Some(s) = arg.to_str() else {
+        return arg;
+    };
+    for (short, long) in [("-ngl", "--n-gpu-layers"), ("-ub", "--ubatch-size")] {
+        if s == short {
+            return long.into();
+        }
+        if let Some(v) = s.strip_prefix(short).and_then(|r| r.strip_prefix('=')) {
+            return format!("{long}={v}").into();
+        }
+    }
+    arg
 }
 
 /// Sizes the thread pools (`-t`): rayon's global pool, which our kernels and candle's quantized

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use crate::kv::CacheType;
+use crate::plan::GpuLayers;
 use crate::runtime::{DeviceChoice, LoadOptions};
 
 #[derive(Args, Clone, Debug)]
@@ -27,6 +28,26 @@ pub struct ModelArgs {
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: DeviceChoice,
+    /// Layers to run on the GPU (`-ngl`): a count (above the layer count, the output layer
+    /// too), auto (what fits in free VRAM; the default) or all.
+    #[arg(long = "n-gpu-layers", visible_alias = "gpu-layers", value_name = "N|auto|all", value_parser = parse_gpu_layers)]
+    pub gpu_layers: Option<GpuLayers>,
+    /// Most tokens per forward chunk (`-ub`); the memory plan may lower it to fit the GPU.
+    #[arg(long = "ubatch-size", default_value_t = crate::model::qwen3::DEFAULT_UBATCH, value_parser = parse_ubatch)]
+    pub ubatch: usize,
+}
+
+fn parse_ubatch(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!(
+            "invalid micro-batch '{s}' (expected a positive number of tokens)"
+        )),
+    }
+}
+
+fn parse_gpu_layers(s: &str) -> Result<GpuLayers, String> {
+    s.parse()
 }
 
 fn parse_cache_type(s: &str) -> Result<CacheType, String> {
@@ -45,6 +66,8 @@ impl ModelArgs {
             cache_type: self.cache_type,
             kv_file: self.kv_file.clone(),
             device: self.device.clone(),
+            gpu_layers: self.gpu_layers,
+            ubatch: self.ubatch,
             verbose,
         }
     }

@@ -10,10 +10,17 @@
 //!
 //! Private entries live in slots after the shared prefix; a row is a list of slot indices.
 //! Cropping is O(1); committing copies only the committed entries.
+//!
+//! With `-ngl`, the first layers run on an accelerator and their K/V live there, as one
+//! `[n_kv_heads, capacity, head_dim]` tensor per layer for K and one for V, with the same slot
+//! numbering; the map then holds only the layers that run on the CPU. Every operation below
+//! acts on both parts alike (on the device by gathers and in-place slice writes: the shared
+//! prefix is never replicated per row there either).
 
 use std::fs::OpenOptions;
 use std::path::Path;
 
+use candle_core::{DType, Device, Tensor};
 use half::f16;
 use memmap2::MmapMut;
 
@@ -31,6 +38,14 @@ impl CacheType {
         match self {
             CacheType::F32 => 4,
             CacheType::F16 => 2,
+        }
+    }
+
+    /// The element type of device-resident layers.
+    pub fn dtype(self) -> DType {
+        match self {
+            CacheType::F32 => DType::F32,
+            CacheType::F16 => DType::F16,
         }
     }
 }
@@ -58,8 +73,19 @@ pub struct CacheShape {
 
 impl CacheShape {
     pub fn bytes_per_token(&self, ty: CacheType) -> usize {
-        self.n_layers * 2 * self.n_kv_heads * self.head_dim * ty.size()
+        self.n_layers * self.layer_bytes_per_token(ty)
     }
+
+    /// K and V of one layer for one token.
+    pub fn layer_bytes_per_token(&self, ty: CacheType) -> usize {
+        2 * self.n_kv_heads * self.head_dim * ty.size()
+    }
+}
+
+/// The K and V tensors of one device-resident layer, `[n_kv_heads, capacity, head_dim]`.
+pub struct DeviceLayer {
+    pub k: Tensor,
+    pub v: Tensor,
 }
 
 /// Read access to one layer's K or V for one KV head: `head_dim` elements per slot.
@@ -71,6 +97,8 @@ pub enum HeadView<'a> {
 pub struct KvCache {
     shape: CacheShape,
     ty: CacheType,
+    /// Layers `0..device.len()` live on the device; the map holds the others.
+    device: Vec<DeviceLayer>,
     mmap: MmapMut,
     shared: usize,
     shared_pos: Vec<u32>,
@@ -88,6 +116,55 @@ pub struct KvCache {
 impl KvCache {
     /// An anonymous (RAM/swap-backed) cache. Pages are only touched as entries are written.
     pub fn new(shape: CacheShape, ty: CacheType) -> Result<KvCache> {
+        Self::placed(shape, ty, None, None)
+    }
+
+    /// A cache backed by the file at `path` (created or truncated to the cache's size).
+    pub fn with_file(shape: CacheShape, ty: CacheType, path: &Path) -> Result<KvCache> {
+        Self::placed(shape, ty, Some(path), None)
+    }
+
+    /// A cache whose first `n` layers live on `device` (zeroed there); the others in a map,
+    /// anonymous or backed by the file at `path`.
+    pub fn placed(
+        shape: CacheShape,
+        ty: CacheType,
+        path: Option<&Path>,
+        device_layers: Option<(&Device, usize)>,
+    ) -> Result<KvCache> {
+        let n_device = device_layers.map_or(0, |(_, n)| n.min(shape.n_layers));
+        let host = CacheShape {
+            n_layers: shape.n_layers - n_device,
+            ..shape
+        };
+        let mut device = Vec::with_capacity(n_device);
+        if let Some((dev, _)) = device_layers {
+            let dims = (shape.n_kv_heads, shape.capacity, shape.head_dim);
+            for l in 0..n_device {
+                let zeros = || {
+                    Tensor::zeros(dims, ty.dtype(), dev).map_err(|e| {
+                        Error::msg(format!(
+                            "cannot allocate the KV cache of layer {l} on {:?}: {e}",
+                            dev.location()
+                        ))
+                    })
+                };
+                device.push(DeviceLayer {
+                    k: zeros()?,
+                    v: zeros()?,
+                });
+            }
+        }
+        let mut cache = match path {
+            Some(p) => Self::map_file(host, ty, p)?,
+            None => Self::map_anon(host, ty)?,
+        };
+        cache.shape = shape;
+        cache.device = device;
+        Ok(cache)
+    }
+
+    fn map_anon(shape: CacheShape, ty: CacheType) -> Result<KvCache> {
         let bytes = Self::total_bytes(&shape, ty)?;
         let mmap = MmapMut::map_anon(bytes.max(1)).map_err(|e| {
             Error::msg(format!(
@@ -97,8 +174,7 @@ impl KvCache {
         Ok(Self::with_map(shape, ty, mmap))
     }
 
-    /// A cache backed by the file at `path` (created or truncated to the cache's size).
-    pub fn with_file(shape: CacheShape, ty: CacheType, path: &Path) -> Result<KvCache> {
+    fn map_file(shape: CacheShape, ty: CacheType, path: &Path) -> Result<KvCache> {
         let bytes = Self::total_bytes(&shape, ty)?;
         let file = OpenOptions::new()
             .read(true)
@@ -126,6 +202,7 @@ impl KvCache {
         KvCache {
             shape,
             ty,
+            device: Vec::new(),
             mmap,
             shared: 0,
             shared_pos: Vec::new(),
@@ -143,6 +220,21 @@ impl KvCache {
 
     pub fn cache_type(&self) -> CacheType {
         self.ty
+    }
+
+    /// Layers whose K/V live on the device (`0..n`).
+    pub fn device_layers(&self) -> usize {
+        self.device.len()
+    }
+
+    /// The K/V tensors of device-resident layer `layer`.
+    pub fn device_layer(&self, layer: usize) -> &DeviceLayer {
+        &self.device[layer]
+    }
+
+    /// Key/value heads held in the map (layers after the device-resident ones).
+    fn host_heads(&self) -> usize {
+        (self.shape.n_layers - self.device.len()) * 2 * self.shape.n_kv_heads
     }
 
     /// Entries in the shared prefix.
@@ -259,8 +351,19 @@ impl KvCache {
         }
         let es = self.ty.size();
         let hd = self.shape.head_dim;
-        let n_heads = self.shape.n_layers * 2 * self.shape.n_kv_heads;
+        let n_heads = self.host_heads();
         let entry_bytes = hd * es;
+        // Device layers: gather, then write in place (the gather is the staging copy).
+        if !slots.is_empty() && !self.device.is_empty() {
+            let base = self.shared;
+            let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+            let ids = Tensor::from_vec(ids, slots.len(), self.device[0].k.device())?;
+            for layer in &self.device {
+                for t in [&layer.k, &layer.v] {
+                    t.slice_set(&t.index_select(&ids, 1)?, 1, base)?;
+                }
+            }
+        }
         // Stage the entries first: a destination slot may hold another committed entry.
         self.staging.clear();
         self.staging.reserve(slots.len() * n_heads * entry_bytes);
@@ -299,13 +402,23 @@ impl KvCache {
 
     /// Removes shared entries for which `keep(index, position)` is false, compacting the rest
     /// in order (e.g. positions after an EOS before the next chat turn). Drops private entries.
-    pub fn retain_shared(&mut self, mut keep: impl FnMut(usize, u32) -> bool) {
+    pub fn retain_shared(&mut self, mut keep: impl FnMut(usize, u32) -> bool) -> Result<()> {
         let es = self.ty.size();
         let entry_bytes = self.shape.head_dim * es;
-        let n_heads = self.shape.n_layers * 2 * self.shape.n_kv_heads;
+        let n_heads = self.host_heads();
         let kept: Vec<usize> = (0..self.shared)
             .filter(|&i| keep(i, self.shared_pos[i]))
             .collect();
+        let moved = kept.iter().enumerate().any(|(dst, &src)| dst != src);
+        if moved && !self.device.is_empty() {
+            let ids: Vec<u32> = kept.iter().map(|&s| s as u32).collect();
+            let ids = Tensor::from_vec(ids, kept.len(), self.device[0].k.device())?;
+            for layer in &self.device {
+                for t in [&layer.k, &layer.v] {
+                    t.slice_set(&t.index_select(&ids, 1)?, 1, 0)?;
+                }
+            }
+        }
         for head in 0..n_heads {
             for (dst, &src) in kept.iter().enumerate() {
                 if dst != src {
@@ -320,6 +433,7 @@ impl KvCache {
         }
         self.shared = kept.len();
         self.clear_rows();
+        Ok(())
     }
 
     /// Element offset of (head index over layer×{K,V}×kv-head, slot).
@@ -328,12 +442,17 @@ impl KvCache {
         (head * self.shape.capacity + slot) * self.shape.head_dim
     }
 
+    /// Index of a host-resident head in the map: layers count from the first host layer.
     #[inline]
     fn head_index(&self, layer: usize, is_v: bool, kv_head: usize) -> usize {
-        (layer * 2 + is_v as usize) * self.shape.n_kv_heads + kv_head
+        debug_assert!(
+            layer >= self.device.len(),
+            "layer {layer} lives on the device"
+        );
+        ((layer - self.device.len()) * 2 + is_v as usize) * self.shape.n_kv_heads + kv_head
     }
 
-    /// All slots of one layer's K (or V) for one KV head.
+    /// All slots of one host-resident layer's K (or V) for one KV head.
     pub fn head(&self, layer: usize, is_v: bool, kv_head: usize) -> HeadView<'_> {
         let h = self.head_index(layer, is_v, kv_head);
         let start = self.offset(h, 0);
@@ -350,8 +469,64 @@ impl KvCache {
         }
     }
 
-    /// Writes the K and V of new entries of one layer: `k` and `v` hold, for each slot in
-    /// `slots`, `n_kv_heads * head_dim` values.
+    /// Writes the K and V of new entries of a device-resident layer. `k` and `v` are
+    /// `[n, n_kv_heads, head_dim]` f32 on the device; `index` is [`KvCache::device_index`] of the
+    /// slots the entries go to.
+    pub fn write_device(
+        &mut self,
+        layer: usize,
+        index: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
+        let dl = &self.device[layer];
+        for (dst, src) in [(&dl.k, k), (&dl.v, v)] {
+            let src = src
+                .transpose(0, 1)?
+                .to_dtype(self.ty.dtype())?
+                .contiguous()?;
+            dst.scatter_set(index, &src, 1)?;
+        }
+        Ok(())
+    }
+
+    /// The scatter index for [`KvCache::write_device`]: `slots` broadcast to
+    /// `[n_kv_heads, n, head_dim]` (built once per forward, used by every device layer).
+    pub fn device_index(&self, slots: &[usize], device: &Device) -> Result<Tensor> {
+        let (nkv, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
+        let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+        Ok(Tensor::from_vec(ids, (1, slots.len(), 1), device)?
+            .broadcast_as((nkv, slots.len(), hd))?
+            .contiguous()?)
+    }
+
+    /// One entry (`head_dim` values as f32) of any layer, wherever it lives. For tests and
+    /// tools, not the forward.
+    pub fn entry(&self, layer: usize, is_v: bool, kv_head: usize, slot: usize) -> Result<Vec<f32>> {
+        let hd = self.shape.head_dim;
+        if layer < self.device.len() {
+            let t = if is_v {
+                &self.device[layer].v
+            } else {
+                &self.device[layer].k
+            };
+            return Ok(t
+                .get(kv_head)?
+                .get(slot)?
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?);
+        }
+        Ok(match self.head(layer, is_v, kv_head) {
+            HeadView::F32(h) => h[slot * hd..(slot + 1) * hd].to_vec(),
+            HeadView::F16(h) => h[slot * hd..(slot + 1) * hd]
+                .iter()
+                .map(|x| x.to_f32())
+                .collect(),
+        })
+    }
+
+    /// Writes the K and V of new entries of one host-resident layer: `k` and `v` hold, for
+    /// each slot in `slots`, `n_kv_heads * head_dim` values.
     pub fn write(&mut self, layer: usize, slots: &[usize], k: &[f32], v: &[f32]) {
         let (nkv, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
         for (is_v, src) in [(false, k), (true, v)] {
@@ -375,6 +550,35 @@ impl KvCache {
                 }
             }
         }
+    }
+
+    /// The K/V of the given slots of every device layer, as little-endian bytes in file order
+    /// (layer, K then V, KV head, entry).
+    fn device_entries(&self, slots: &[usize]) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        if self.device.is_empty() || slots.is_empty() {
+            return Ok(out);
+        }
+        let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+        let ids = Tensor::from_vec(ids, slots.len(), self.device[0].k.device())?;
+        for layer in &self.device {
+            for t in [&layer.k, &layer.v] {
+                let g = t.index_select(&ids, 1)?.flatten_all()?;
+                match self.ty {
+                    CacheType::F32 => {
+                        for x in g.to_vec1::<f32>()? {
+                            out.extend_from_slice(&x.to_le_bytes());
+                        }
+                    }
+                    CacheType::F16 => {
+                        for x in g.to_vec1::<f16>()? {
+                            out.extend_from_slice(&x.to_le_bytes());
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Flushes a file-backed cache to disk.
@@ -421,7 +625,9 @@ impl KvCache {
         }
         let es = self.ty.size();
         let entry_bytes = self.shape.head_dim * es;
-        let n_heads = self.shape.n_layers * 2 * self.shape.n_kv_heads;
+        let n_heads = self.host_heads();
+        // Device layers come first in the file (layer order): copy their entries back once.
+        let device_payload = self.device_entries(&entries)?;
         let tokens_le: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         let positions_le: Vec<u8> = entries
             .iter()
@@ -434,7 +640,12 @@ impl KvCache {
             &self.mmap[off..off + entry_bytes]
         };
         let mut sum = refusion_convert::gguf::Fnv1a::default();
-        for part in [&tokens_le[..], &positions_le[..], extra] {
+        for part in [
+            &tokens_le[..],
+            &positions_le[..],
+            extra,
+            &device_payload[..],
+        ] {
             sum.update(part);
         }
         for head in 0..n_heads {
@@ -463,7 +674,13 @@ impl KvCache {
         {
             use std::io::Write;
             let mut w = std::io::BufWriter::new(out.file());
-            for part in [&header[..], &tokens_le[..], &positions_le[..], extra] {
+            for part in [
+                &header[..],
+                &tokens_le[..],
+                &positions_le[..],
+                extra,
+                &device_payload[..],
+            ] {
                 w.write_all(part).map_err(io)?;
             }
             for head in 0..n_heads {
@@ -575,7 +792,36 @@ impl KvCache {
         let extra = body[extra_start..extra_start + extra_len as usize].to_vec();
         let payload = &body[extra_start + extra_len as usize..];
         let entry_bytes = hd * es as usize;
-        for head in 0..n_heads as usize {
+        // Device layers first (layer order), each as K then V, `[n_kv_heads, n, head_dim]`.
+        let device_bytes = self.device.len() * 2 * nkv * n * entry_bytes;
+        if n > 0 {
+            let part_bytes = nkv * n * entry_bytes;
+            for (l, layer) in self.device.iter().enumerate() {
+                for (j, t) in [&layer.k, &layer.v].into_iter().enumerate() {
+                    let start = (l * 2 + j) * part_bytes;
+                    let bytes = &payload[start..start + part_bytes];
+                    let src = match self.ty {
+                        CacheType::F32 => {
+                            let v: Vec<f32> = bytes
+                                .chunks_exact(4)
+                                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                                .collect();
+                            Tensor::from_vec(v, (nkv, n, hd), t.device())?
+                        }
+                        CacheType::F16 => {
+                            let v: Vec<f16> = bytes
+                                .chunks_exact(2)
+                                .map(|c| f16::from_le_bytes([c[0], c[1]]))
+                                .collect();
+                            Tensor::from_vec(v, (nkv, n, hd), t.device())?
+                        }
+                    };
+                    t.slice_set(&src, 1, 0)?;
+                }
+            }
+        }
+        let payload = &payload[device_bytes..];
+        for head in 0..self.host_heads() {
             for e in 0..n {
                 let src = (head * n + e) * entry_bytes;
                 let off = self.offset(head, e) * es as usize;
@@ -621,10 +867,8 @@ mod tests {
     }
 
     fn tag_of(c: &KvCache, layer: usize, slot: usize) -> f32 {
-        match c.head(layer, false, 1) {
-            HeadView::F32(k) => ((k[slot * 4] - (layer * 10 + 1) as f32) / 100.0).round(),
-            HeadView::F16(k) => ((k[slot * 4].to_f32() - (layer * 10 + 1) as f32) / 100.0).round(),
-        }
+        let k = c.entry(layer, false, 1, slot).unwrap();
+        ((k[0] - (layer * 10 + 1) as f32) / 100.0).round()
     }
 
     fn fill(c: &mut KvCache, rows: &[u32], tags: &[f32]) -> Vec<usize> {
@@ -632,7 +876,15 @@ mod tests {
         let slots = c.allocate(rows, &positions).unwrap();
         for layer in 0..2 {
             let (k, v) = kv_for(layer, tags);
-            c.write(layer, &slots, &k, &v);
+            if layer < c.device_layers() {
+                let dev = c.device_layer(layer).k.device().clone();
+                let index = c.device_index(&slots, &dev).unwrap();
+                let k = Tensor::from_vec(k, (slots.len(), 2, 4), &dev).unwrap();
+                let v = Tensor::from_vec(v, (slots.len(), 2, 4), &dev).unwrap();
+                c.write_device(layer, &index, &k, &v).unwrap();
+            } else {
+                c.write(layer, &slots, &k, &v);
+            }
         }
         slots
     }
@@ -663,15 +915,16 @@ mod tests {
         let shared: Vec<f32> = (0..6).map(|s| tag_of(&c, 0, s)).collect();
         assert_eq!(shared, vec![1.0, 2.0, 3.0, 20.0, 22.0, 10.0]);
         assert_eq!(c.shared_positions(), &[1, 2, 3, 20, 22, 10]);
-        match c.head(1, true, 0) {
-            HeadView::F32(v) => assert_eq!(v[5 * 4 + 1], -(10.0 * 100.0 + 10.0 + 0.01)),
-            HeadView::F16(v) => assert!((v[5 * 4 + 1].to_f32() + 1010.01).abs() < 1.0),
+        let v = c.entry(1, true, 0, 5).unwrap()[1];
+        match c.cache_type() {
+            CacheType::F32 => assert_eq!(v, -(10.0 * 100.0 + 10.0 + 0.01)),
+            CacheType::F16 => assert!((v + 1010.01).abs() < 1.0),
         }
         // Drop rows beyond the first, crop the shared prefix, remove entries.
         fill(&mut c, &[0, 1, 2], &[30.0, 31.0, 32.0]);
         c.retain_rows(1);
         assert_eq!(c.n_rows(), 1);
-        c.retain_shared(|_, p| p != 20);
+        c.retain_shared(|_, p| p != 20).unwrap();
         assert_eq!(c.shared_positions(), &[1, 2, 3, 22, 10]);
         let shared: Vec<f32> = (0..5).map(|s| tag_of(&c, 0, s)).collect();
         assert_eq!(shared, vec![1.0, 2.0, 3.0, 22.0, 10.0]);
@@ -697,6 +950,50 @@ mod tests {
             (shape().bytes_per_token(CacheType::F32) * 16) as u64
         );
         check_ops(c);
+    }
+
+    #[test]
+    fn device_resident_layers_behave_as_mapped_ones() {
+        // candle's CPU device stands in for a GPU: the same tensor operations run on both.
+        for n in [1, 2] {
+            for ty in [CacheType::F32, CacheType::F16] {
+                let c = KvCache::placed(shape(), ty, None, Some((&Device::Cpu, n))).unwrap();
+                assert_eq!(c.device_layers(), n);
+                check_ops(c);
+            }
+        }
+    }
+
+    #[test]
+    fn saved_prefixes_move_between_device_and_mapped_layers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("prefix.kv");
+        let mut c =
+            KvCache::placed(shape(), CacheType::F16, None, Some((&Device::Cpu, 1))).unwrap();
+        fill(&mut c, &[0, 0, 0], &[0.0, 2.0, 1.0]);
+        c.commit_row(0).unwrap();
+        c.save_prefix(&path, 42, &[7, 8, 9], b"x").unwrap();
+        let mut host = KvCache::new(shape(), CacheType::F16).unwrap();
+        host.load_prefix(&path, 42).unwrap();
+        let path2 = dir.path().join("prefix2.kv");
+        host.save_prefix(&path2, 42, &[7, 8, 9], b"x").unwrap();
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            std::fs::read(&path2).unwrap()
+        );
+        let mut dev =
+            KvCache::placed(shape(), CacheType::F16, None, Some((&Device::Cpu, 2))).unwrap();
+        dev.load_prefix(&path2, 42).unwrap();
+        for layer in 0..2 {
+            for slot in 0..3 {
+                for is_v in [false, true] {
+                    assert_eq!(
+                        dev.entry(layer, is_v, 1, slot).unwrap(),
+                        c.entry(layer, is_v, 1, slot).unwrap()
+                    );
+                }
+            }
+        }
     }
 
     #[test]

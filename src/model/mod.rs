@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod device_attention;
 pub mod qwen3;
 
 pub use config::Qwen3Config;
@@ -80,6 +81,15 @@ impl Logits {
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.vocab..(i + 1) * self.vocab]
     }
+}
+
+/// Which weights run on an accelerator: the first `layers` layers (their K/V too) and, when
+/// `output` is set, the final norm and output layer. Embeddings are always gathered on the CPU.
+#[derive(Debug, Clone)]
+pub struct Offload {
+    pub device: candle_core::Device,
+    pub layers: usize,
+    pub output: bool,
 }
 
 /// What the decoder drives: a forward over a KV cache. The CPU and CUDA paths both serve it.

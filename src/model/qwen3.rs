@@ -5,7 +5,10 @@
 //! - a flat batch of several rows over one cache, each token with its own position id;
 //! - RoPE from f32 angles computed per token (no f16 tables, exact far from position 0);
 //! - logits only for the tokens asked for, so `output` runs only on those;
-//! - `token_embd` is never dequantized as a whole: the rows needed are decoded from the map.
+//! - `token_embd` is never dequantized as a whole: the rows needed are decoded from the map;
+//! - with [`Offload`], the first layers (and maybe the output layer) run on an accelerator,
+//!   their K/V in device tensors; the rest on the CPU over the memory-mapped cache;
+//! - batches longer than the micro-batch run in chunks, bounding scratch memory.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -16,7 +19,8 @@ use refusion_convert::gguf::{GgmlType, GgufFile, TensorInfo};
 use refusion_convert::quant;
 
 use super::attention::{attend, Visible};
-use super::{Batch, Forward, Logits, Qwen3Config};
+use super::device_attention::{self, DeviceVisibility};
+use super::{Batch, Forward, Logits, Offload, Qwen3Config};
 use crate::error::{Error, Result};
 use crate::kv::{CacheShape, KvCache};
 
@@ -41,6 +45,8 @@ fn candle_dtype(ty: GgmlType) -> GgmlDType {
 }
 
 struct Layer {
+    /// Where this layer's weights (and K/V) live.
+    device: Device,
     attn_norm: Tensor,
     attn_q: QMatMul,
     attn_k: QMatMul,
@@ -56,7 +62,10 @@ struct Layer {
 
 pub struct Qwen3 {
     cfg: Qwen3Config,
-    device: Device,
+    /// Layers `0..offload.layers` (and the output layer if `offload.output`) run there.
+    offload: Option<Offload>,
+    /// Tokens per chunk of a forward.
+    ubatch: usize,
     file: Arc<GgufFile>,
     token_embd: TensorInfo,
     layers: Vec<Layer>,
@@ -64,11 +73,12 @@ pub struct Qwen3 {
     output: QMatMul,
     /// RoPE inverse frequencies, computed in f32 as transformers does.
     inv_freq: Vec<f32>,
+    output_device: Device,
 }
 
 struct Loader<'a> {
     file: &'a GgufFile,
-    device: &'a Device,
+    device: Device,
 }
 
 impl Loader<'_> {
@@ -92,11 +102,11 @@ impl Loader<'_> {
                 _ => DType::F32,
             };
             let w =
-                Tensor::from_raw_buffer(data, dtype, &dims, self.device)?.to_dtype(DType::F32)?;
+                Tensor::from_raw_buffer(data, dtype, &dims, &self.device)?.to_dtype(DType::F32)?;
             self.file.release(t, 0, t.n_bytes);
             return Ok(QMatMul::Tensor(w));
         }
-        let storage = QStorage::from_data(Cow::Borrowed(data), self.device, candle_dtype(t.ty))?;
+        let storage = QStorage::from_data(Cow::Borrowed(data), &self.device, candle_dtype(t.ty))?;
         let q = QTensor::new(storage, dims)?;
         // The pages were copied: let the kernel drop them from this process.
         self.file.release(t, 0, t.n_bytes);
@@ -113,13 +123,27 @@ impl Loader<'_> {
                 t.ty
             )));
         }
-        Ok(Tensor::from_vec(v, t.n_elements() as usize, self.device)?)
+        Ok(Tensor::from_vec(v, t.n_elements() as usize, &self.device)?)
     }
 }
 
 impl Qwen3 {
-    /// Loads the weights of a validated qwen3 GGUF.
+    /// Loads the weights of a validated qwen3 GGUF onto `device` (all of them on a GPU).
     pub fn load(file: Arc<GgufFile>, device: &Device) -> Result<Qwen3> {
+        let offload = match device {
+            Device::Cpu => None,
+            d => Some(Offload {
+                device: d.clone(),
+                layers: usize::MAX,
+                output: true,
+            }),
+        };
+        Self::load_offloaded(file, offload)
+    }
+
+    /// Loads the weights with the first `offload.layers` layers (and the output layer when
+    /// `offload.output`) on `offload.device`, the rest on the CPU.
+    pub fn load_offloaded(file: Arc<GgufFile>, offload: Option<Offload>) -> Result<Qwen3> {
         let cfg = Qwen3Config::from_gguf(&file.header)?;
         cfg.validate_tensors(&file.header)?;
         let token_embd = file
@@ -133,14 +157,24 @@ impl Qwen3 {
                 token_embd.ty
             )));
         }
-        let ld = Loader {
-            file: &file,
-            device,
+        let offload = offload.map(|o| Offload {
+            layers: o.layers.min(cfg.n_layers),
+            ..o
+        });
+        let on = |gpu: bool| match (&offload, gpu) {
+            (Some(o), true) => o.device.clone(),
+            _ => Device::Cpu,
         };
+        let n_gpu = offload.as_ref().map_or(0, |o| o.layers);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
+            let ld = Loader {
+                file: &file,
+                device: on(l < n_gpu),
+            };
             let n = |s: &str| format!("blk.{l}.{s}.weight");
             layers.push(Layer {
+                device: ld.device.clone(),
                 attn_norm: ld.vector(&n("attn_norm"))?,
                 attn_q: ld.matmul(&n("attn_q"))?,
                 attn_k: ld.matmul(&n("attn_k"))?,
@@ -154,26 +188,60 @@ impl Qwen3 {
                 ffn_down: ld.matmul(&n("ffn_down"))?,
             });
         }
+        let ld = Loader {
+            file: &file,
+            device: on(offload.as_ref().is_some_and(|o| o.output)),
+        };
         let output_norm = ld.vector("output_norm.weight")?;
         let output = if cfg.tied_output {
             ld.matmul("token_embd.weight")?
         } else {
             ld.matmul("output.weight")?
         };
+        let output_device = ld.device;
         let hd = cfg.head_dim;
         let inv_freq = (0..hd / 2)
             .map(|i| 1.0f32 / cfg.rope_theta.powf((2 * i) as f32 / hd as f32))
             .collect();
         Ok(Qwen3 {
             cfg,
-            device: device.clone(),
+            offload,
+            ubatch: DEFAULT_UBATCH,
             file,
             token_embd,
             layers,
             output_norm,
             output,
             inv_freq,
+            output_device,
         })
+    }
+
+    /// Where layers run: `None` when all on the CPU.
+    pub fn offload(&self) -> Option<&Offload> {
+        self.offload.as_ref()
+    }
+
+    /// Layers whose weights and K/V live on the accelerator.
+    pub fn gpu_layers(&self) -> usize {
+        self.offload.as_ref().map_or(0, |o| o.layers)
+    }
+
+    /// Sets the most tokens one chunk of a forward holds (at least 1).
+    pub fn set_ubatch(&mut self, n: usize) {
+        self.ubatch = n.max(1);
+    }
+
+    /// A KV cache of `capacity` entries placed like the layers: device tensors for the
+    /// offloaded ones, a map (anonymous, or the file at `path`) for the others.
+    pub fn new_cache(
+        &self,
+        capacity: usize,
+        ty: crate::kv::CacheType,
+        path: Option<&std::path::Path>,
+    ) -> Result<KvCache> {
+        let device = self.offload.as_ref().map(|o| (&o.device, o.layers));
+        KvCache::placed(self.cache_shape(capacity), ty, path, device)
     }
 
     /// The cache geometry for a context of `capacity` entries.
@@ -207,7 +275,7 @@ impl Qwen3 {
                 &mut out[i * h..(i + 1) * h],
             );
         }
-        Ok(Tensor::from_vec(out, (tokens.len(), h), &self.device)?)
+        Ok(Tensor::from_vec(out, (tokens.len(), h), &Device::Cpu)?)
     }
 
     /// Rotates `x` (`[n, heads, head_dim]`) in place, token `i` at `positions[i]`
@@ -235,8 +303,101 @@ impl Qwen3 {
     }
 }
 
+/// Tokens per forward chunk unless set otherwise (llama.cpp's default micro-batch).
+pub const DEFAULT_UBATCH: usize = 512;
+
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(x, w, eps as f32)?)
+}
+
+impl Layer {
+    /// The feed-forward half of the block, with its residual.
+    fn ffn(&self, x: Tensor, eps: f64) -> Result<Tensor> {
+        let h = rms_norm(&x, &self.ffn_norm, eps)?;
+        let gate = candle_nn::ops::silu(&self.ffn_gate.forward(&h)?)?;
+        let up = self.ffn_up.forward(&h)?;
+        Ok((x + self.ffn_down.forward(&(gate * up)?)?)?)
+    }
+}
+
+/// One chunk of a forward: its tokens, their cache slots and what each sees.
+struct Chunk<'a> {
+    tokens: &'a [u32],
+    positions: &'a [u32],
+    slots: &'a [usize],
+    /// `(row, count)`: the token sees the first `count` private slots of its row.
+    visible: &'a [(usize, usize)],
+    /// Chunk indices logits are wanted for.
+    wanted: Vec<usize>,
+}
+
+impl Qwen3 {
+    fn forward_chunk(&self, c: &Chunk<'_>, cache: &mut KvCache) -> Result<Option<Tensor>> {
+        let cfg = &self.cfg;
+        let n = c.tokens.len();
+        let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+        let mut x = self.embed(c.tokens)?;
+        let vis = match &self.offload {
+            Some(o) if o.layers > 0 => Some(DeviceVisibility::new(
+                cache,
+                c.slots,
+                c.visible,
+                c.positions,
+                &self.inv_freq,
+                &o.device,
+            )?),
+            _ => None,
+        };
+        let mut attn = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            x = x.to_device(&layer.device)?;
+            let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
+            let q = layer.attn_q.forward(&h)?.reshape((n, nh, hd))?;
+            let k = layer.attn_k.forward(&h)?.reshape((n, nkv, hd))?;
+            let v = layer.attn_v.forward(&h)?;
+            let q = rms_norm(&q, &layer.attn_q_norm, cfg.rms_eps)?;
+            let k = rms_norm(&k, &layer.attn_k_norm, cfg.rms_eps)?;
+            let a = match &vis {
+                Some(vis) if l < cache.device_layers() => {
+                    let q = device_attention::rope(&q, vis)?;
+                    let k = device_attention::rope(&k, vis)?;
+                    let v = v.reshape((n, nkv, hd))?;
+                    cache.write_device(l, &vis.write_index, &k, &v)?;
+                    device_attention::attend(&q, cache.device_layer(l), cache.shared_len(), vis)?
+                }
+                _ => {
+                    let mut q = q.flatten_all()?.to_vec1::<f32>()?;
+                    let mut k = k.flatten_all()?.to_vec1::<f32>()?;
+                    let v = v.flatten_all()?.to_vec1::<f32>()?;
+                    self.rope(&mut q, c.positions, nh);
+                    self.rope(&mut k, c.positions, nkv);
+                    cache.write(l, c.slots, &k, &v);
+                    let visible: Vec<Visible> = c
+                        .visible
+                        .iter()
+                        .map(|&(r, count)| Visible {
+                            row_slots: cache.row_slots(r),
+                            count,
+                        })
+                        .collect();
+                    attn.resize(n * nh * hd, 0.0);
+                    attend(&q, cache, l, &visible, nh, nkv, hd, &mut attn);
+                    Tensor::from_slice(&attn, (n, nh * hd), &layer.device)?
+                }
+            };
+            x = (x + layer.attn_output.forward(&a)?)?;
+            x = layer.ffn(x, cfg.rms_eps)?;
+        }
+        if c.wanted.is_empty() {
+            return Ok(None);
+        }
+        let x = x.to_device(&self.output_device)?;
+        let idx: Vec<u32> = c.wanted.iter().map(|&i| i as u32).collect();
+        let idx = Tensor::from_vec(idx, c.wanted.len(), &self.output_device)?;
+        let x = x.index_select(&idx, 0)?;
+        let x = rms_norm(&x, &self.output_norm, cfg.rms_eps)?;
+        Ok(Some(self.output.forward(&x)?.to_dtype(DType::F32)?))
+    }
 }
 
 impl Forward for Qwen3 {
@@ -258,14 +419,20 @@ impl Forward for Qwen3 {
                 "logits asked for token {bad} of a batch of {n}"
             )));
         }
+        let mut data = vec![0f32; wanted.len() * cfg.vocab];
         if n == 0 {
             return Ok(Logits {
                 vocab: cfg.vocab,
-                data: Vec::new(),
+                data,
             });
         }
-        let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
-        let mut x = self.embed(&batch.tokens)?;
+        if cache.device_layers() != self.gpu_layers() {
+            return Err(Error::msg(format!(
+                "the KV cache holds {} layers on the device but the model runs {} there",
+                cache.device_layers(),
+                self.gpu_layers()
+            )));
+        }
         // Which private slots each token sees: its row's earlier entries and its own. Count
         // each row's entries before this batch's land.
         let mut seen: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
@@ -274,7 +441,7 @@ impl Forward for Qwen3 {
                 .or_insert_with(|| cache.row_len(r as usize));
         }
         let slots = cache.allocate(&batch.rows, &batch.positions)?;
-        let counts: Vec<(usize, usize)> = batch
+        let visible: Vec<(usize, usize)> = batch
             .rows
             .iter()
             .map(|&r| {
@@ -284,50 +451,36 @@ impl Forward for Qwen3 {
             })
             .collect();
 
-        let mut attn = vec![0f32; n * nh * hd];
-        for (l, layer) in self.layers.iter().enumerate() {
-            let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
-            let q = layer.attn_q.forward(&h)?.reshape((n, nh, hd))?;
-            let k = layer.attn_k.forward(&h)?.reshape((n, nkv, hd))?;
-            let v = layer.attn_v.forward(&h)?;
-            let q = rms_norm(&q, &layer.attn_q_norm, cfg.rms_eps)?;
-            let k = rms_norm(&k, &layer.attn_k_norm, cfg.rms_eps)?;
-            let mut q = q.flatten_all()?.to_vec1::<f32>()?;
-            let mut k = k.flatten_all()?.to_vec1::<f32>()?;
-            let v = v.flatten_all()?.to_vec1::<f32>()?;
-            self.rope(&mut q, &batch.positions, nh);
-            self.rope(&mut k, &batch.positions, nkv);
-            cache.write(l, &slots, &k, &v);
-            let visible: Vec<Visible> = counts
+        // Chunks run through every layer in turn: a later chunk sees the entries an earlier
+        // one wrote, an earlier one never sees later ones (its counts stop before them).
+        let mut start = 0;
+        while start < n {
+            let end = (start + self.ubatch).min(n);
+            let mine: Vec<(usize, usize)> = wanted
                 .iter()
-                .map(|&(r, count)| Visible {
-                    row_slots: cache.row_slots(r),
-                    count,
-                })
+                .enumerate()
+                .filter(|&(_, &i)| (start..end).contains(&i))
+                .map(|(out, &i)| (out, i - start))
                 .collect();
-            attend(&q, cache, l, &visible, nh, nkv, hd, &mut attn);
-            let a = Tensor::from_slice(&attn, (n, nh * hd), &self.device)?;
-            x = (x + layer.attn_output.forward(&a)?)?;
-            let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
-            let gate = candle_nn::ops::silu(&layer.ffn_gate.forward(&h)?)?;
-            let up = layer.ffn_up.forward(&h)?;
-            x = (x + layer.ffn_down.forward(&(gate * up)?)?)?;
+            let chunk = Chunk {
+                tokens: &batch.tokens[start..end],
+                positions: &batch.positions[start..end],
+                slots: &slots[start..end],
+                visible: &visible[start..end],
+                wanted: mine.iter().map(|&(_, i)| i).collect(),
+            };
+            if let Some(logits) = self.forward_chunk(&chunk, cache)? {
+                let logits = logits.flatten_all()?.to_vec1::<f32>()?;
+                let v = cfg.vocab;
+                for (j, &(out, _)) in mine.iter().enumerate() {
+                    data[out * v..(out + 1) * v].copy_from_slice(&logits[j * v..(j + 1) * v]);
+                }
+            }
+            start = end;
         }
-
-        if wanted.is_empty() {
-            return Ok(Logits {
-                vocab: cfg.vocab,
-                data: Vec::new(),
-            });
-        }
-        let idx: Vec<u32> = wanted.iter().map(|&i| i as u32).collect();
-        let idx = Tensor::from_vec(idx, wanted.len(), &self.device)?;
-        let x = x.index_select(&idx, 0)?;
-        let x = rms_norm(&x, &self.output_norm, cfg.rms_eps)?;
-        let logits = self.output.forward(&x)?.to_dtype(DType::F32)?;
         Ok(Logits {
             vocab: cfg.vocab,
-            data: logits.flatten_all()?.to_vec1::<f32>()?,
+            data,
         })
     }
 }

@@ -1,0 +1,139 @@
+//! Attention of a flat batch over device-resident KV layers, in candle tensor operations (so it
+//! runs wherever candle does: CUDA, and the CPU for tests).
+//!
+//! The same visibility as the CPU kernel in `attention.rs`: token `i` sees the whole shared
+//! prefix and the first `count` private slots of its row. The shared prefix is read in place
+//! (a narrow of the cache tensor, never copied or replicated per row); the private slots of the
+//! rows in the batch are gathered once (a few slots per row) and masked per token. Softmax
+//! runs over both parts together without concatenating them: one max, one sum.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::error::Result;
+use crate::kv::{DeviceLayer, KvCache};
+
+/// What one forward's tokens see beyond the shared prefix, built once per forward and used by
+/// every device layer.
+pub struct DeviceVisibility {
+    /// Private slots of every row in the batch (`[u]`, u32).
+    private: Tensor,
+    /// `[n, u]`: 0 where token `i` sees private slot `j`, -inf elsewhere.
+    mask: Tensor,
+    /// Scatter index of the batch's new entries ([`KvCache::device_index`]).
+    pub write_index: Tensor,
+    /// RoPE tables for the batch's positions, `[n, head_dim / 2]`.
+    pub cos: Tensor,
+    pub sin: Tensor,
+}
+
+impl DeviceVisibility {
+    /// `visible[i] = (row, count)`: token `i` sees the first `count` private slots of `row`.
+    /// `slots` are the batch's new entries (already allocated in `cache`); `inv_freq` is RoPE's.
+    pub fn new(
+        cache: &KvCache,
+        slots: &[usize],
+        visible: &[(usize, usize)],
+        positions: &[u32],
+        inv_freq: &[f32],
+        device: &Device,
+    ) -> Result<DeviceVisibility> {
+        let n = visible.len();
+        // Each row's slots once, in order of first appearance in the batch.
+        let mut offsets: Vec<(usize, usize)> = Vec::new();
+        let mut private: Vec<u32> = Vec::new();
+        for &(r, _) in visible {
+            if !offsets.iter().any(|&(row, _)| row == r) {
+                offsets.push((r, private.len()));
+                private.extend(cache.row_slots(r).iter().map(|&s| s as u32));
+            }
+        }
+        let u = private.len();
+        let mut mask = vec![f32::NEG_INFINITY; n * u];
+        for (i, &(r, count)) in visible.iter().enumerate() {
+            let start = offsets
+                .iter()
+                .find(|&&(row, _)| row == r)
+                .map_or(0, |&(_, o)| o);
+            mask[i * u + start..i * u + start + count].fill(0.0);
+        }
+        let half = inv_freq.len();
+        let mut cos = Vec::with_capacity(n * half);
+        let mut sin = Vec::with_capacity(n * half);
+        for &p in positions {
+            for &f in inv_freq {
+                // The same f32 angle as the CPU path's RoPE.
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        Ok(DeviceVisibility {
+            private: Tensor::from_vec(private, u, device)?,
+            mask: Tensor::from_vec(mask, (n, u), device)?,
+            write_index: cache.device_index(slots, device)?,
+            cos: Tensor::from_vec(cos, (n, half), device)?,
+            sin: Tensor::from_vec(sin, (n, half), device)?,
+        })
+    }
+}
+
+/// Rotates `x` (`[n, heads, head_dim]`, rotate-half layout) by the batch's positions.
+pub fn rope(x: &Tensor, vis: &DeviceVisibility) -> Result<Tensor> {
+    let x = x.unsqueeze(0)?.contiguous()?;
+    Ok(candle_nn::rotary_emb::rope_thd(&x, &vis.cos, &vis.sin)?.squeeze(0)?)
+}
+
+/// Attention of `q` (`[n, n_heads, head_dim]`, after RoPE) over one device layer whose first
+/// `shared` slots are the shared prefix. Returns `[n, n_heads * head_dim]` f32.
+pub fn attend(
+    q: &Tensor,
+    layer: &DeviceLayer,
+    shared: usize,
+    vis: &DeviceVisibility,
+) -> Result<Tensor> {
+    let (n, nh, hd) = q.dims3()?;
+    let (nkv, _, _) = layer.k.dims3()?;
+    let group = nh / nkv;
+    let dtype = layer.k.dtype();
+    let scale = 1.0 / (hd as f64).sqrt();
+    // Query heads that share a KV head become one matrix: [nkv, group * n, hd].
+    let q = (q.transpose(0, 1)?.contiguous()? * scale)?
+        .reshape((nkv, group * n, hd))?
+        .to_dtype(dtype)?;
+
+    let kp = layer.k.index_select(&vis.private, 1)?;
+    let vp = layer.v.index_select(&vis.private, 1)?;
+    let u = kp.dim(1)?;
+    let sp = q
+        .matmul(&kp.t()?)?
+        .to_dtype(DType::F32)?
+        .reshape((nkv, group, n, u))?
+        .broadcast_add(&vis.mask)?
+        .reshape((nkv, group * n, u))?;
+    let ss = if shared > 0 {
+        let ks = layer.k.narrow(1, 0, shared)?;
+        Some(q.matmul(&ks.t()?)?.to_dtype(DType::F32)?)
+    } else {
+        None
+    };
+
+    let mut max = sp.max_keepdim(D::Minus1)?;
+    if let Some(ss) = &ss {
+        max = max.maximum(&ss.max_keepdim(D::Minus1)?)?;
+    }
+    let ep = sp.broadcast_sub(&max)?.exp()?;
+    let mut sum = ep.sum_keepdim(D::Minus1)?;
+    let mut out = ep.to_dtype(dtype)?.matmul(&vp)?.to_dtype(DType::F32)?;
+    if let Some(ss) = ss {
+        let es = ss.broadcast_sub(&max)?.exp()?;
+        sum = (sum + es.sum_keepdim(D::Minus1)?)?;
+        let vs = layer.v.narrow(1, 0, shared)?;
+        out = (out + es.to_dtype(dtype)?.matmul(&vs)?.to_dtype(DType::F32)?)?;
+    }
+    let out = out.broadcast_div(&sum)?;
+    Ok(out
+        .reshape((nh, n, hd))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((n, nh * hd))?)
+}

@@ -1,0 +1,477 @@
+//! The memory plan: which layers run on the GPU (`-ngl`), and what every device then holds
+//! (weights, KV cache, scratch for the largest forward chunk). It is computed from the GGUF's
+//! tensor sizes before anything is allocated, printed at load, and a model that fits nowhere
+//! is refused with it.
+
+use std::fmt;
+
+use refusion_convert::gguf::{GgmlType, GgufHeader};
+use refusion_convert::info::human_bytes;
+
+use crate::kv::CacheType;
+use crate::model::Qwen3Config;
+
+/// `-ngl`: how many layers go to the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuLayers {
+    /// As many as fit in free VRAM after the KV cache and scratch, the output layer last.
+    Auto,
+    /// Every layer and the output layer.
+    All,
+    /// The first N layers; above the model's layer count the output layer too (llama.cpp's
+    /// convention: `-ngl 99` offloads everything).
+    Count(usize),
+}
+
+impl std::str::FromStr for GpuLayers {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(GpuLayers::Auto),
+            "all" => Ok(GpuLayers::All),
+            _ => s.parse().map(GpuLayers::Count).map_err(|_| {
+                format!("invalid -ngl '{s}' (expected a number of layers, auto or all)")
+            }),
+        }
+    }
+}
+
+/// The GPU the plan is for.
+#[derive(Debug, Clone)]
+pub struct GpuInfo {
+    /// How the plan names it, e.g. `CUDA0 (NVIDIA GeForce RTX 3060)`.
+    pub name: String,
+    /// Free memory now, after the driver's context was created.
+    pub free: u64,
+}
+
+/// What a model needs, per part, read off its GGUF.
+#[derive(Debug, Clone)]
+pub struct ModelSizes {
+    /// Bytes of each layer's weights (as stored, which is what a GPU holds).
+    pub layer_weights: Vec<u64>,
+    /// Extra host bytes per layer when it runs on the CPU: candle's x86 kernels keep a
+    /// repacked copy of Q4_K, Q6_K and Q8_0 weights beside the original.
+    pub layer_repack: Vec<u64>,
+    /// The output layer (or the tied embedding it reuses) and the final norm.
+    pub output_weights: u64,
+    pub output_repack: u64,
+    /// K and V of one layer for one token.
+    pub kv_per_layer_token: u64,
+    pub hidden: u64,
+    pub ffn: u64,
+    pub n_heads: u64,
+    pub n_kv_heads: u64,
+    pub head_dim: u64,
+    pub vocab: u64,
+}
+
+fn repacked(ty: GgmlType) -> bool {
+    cfg!(target_arch = "x86_64") && matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_0)
+}
+
+impl ModelSizes {
+    pub fn from_gguf(header: &GgufHeader, cfg: &Qwen3Config, cache_type: CacheType) -> ModelSizes {
+        let mut layer_weights = vec![0u64; cfg.n_layers];
+        let mut layer_repack = vec![0u64; cfg.n_layers];
+        let (mut output_weights, mut output_repack) = (0u64, 0u64);
+        let output_name = if cfg.tied_output {
+            "token_embd.weight"
+        } else {
+            "output.weight"
+        };
+        for t in &header.tensors {
+            let extra = if repacked(t.ty) { t.n_bytes } else { 0 };
+            let layer = t
+                .name
+                .strip_prefix("blk.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|l| l.parse::<usize>().ok())
+                .filter(|&l| l < cfg.n_layers);
+            if let Some(l) = layer {
+                layer_weights[l] += t.n_bytes;
+                layer_repack[l] += extra;
+            } else if t.name == output_name || t.name == "output_norm.weight" {
+                output_weights += t.n_bytes;
+                output_repack += extra;
+            }
+        }
+        ModelSizes {
+            layer_weights,
+            layer_repack,
+            output_weights,
+            output_repack,
+            kv_per_layer_token: (2 * cfg.n_kv_heads * cfg.head_dim * cache_type.size()) as u64,
+            hidden: cfg.hidden as u64,
+            ffn: cfg.ffn as u64,
+            n_heads: cfg.n_heads as u64,
+            n_kv_heads: cfg.n_kv_heads as u64,
+            head_dim: cfg.head_dim as u64,
+            vocab: cfg.vocab as u64,
+        }
+    }
+
+    pub fn n_layers(&self) -> usize {
+        self.layer_weights.len()
+    }
+
+    /// Working memory of one forward chunk of `n` tokens over a context of `context` entries:
+    /// activations, attention scores (the largest part for long contexts) and, where the output
+    /// layer runs, the logits. The GPU path holds the scores of every head at once; the CPU
+    /// kernel one head per thread (counted as two).
+    pub fn scratch(&self, n: u64, context: u64, logits: bool, gpu: bool) -> u64 {
+        let qkv = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim;
+        let activations = n * (6 * self.hidden + 2 * qkv + 3 * self.ffn) * 4;
+        // Scores and their exponentials over the whole context.
+        let heads = if gpu { self.n_heads } else { 2 };
+        let scores = 2 * heads * n * context * 4;
+        let logits = if logits { 2 * n * self.vocab * 4 } else { 0 };
+        activations + scores + logits
+    }
+}
+
+/// What one device holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Share {
+    pub weights: u64,
+    pub kv: u64,
+    pub scratch: u64,
+}
+
+impl Share {
+    pub fn total(&self) -> u64 {
+        self.weights + self.kv + self.scratch
+    }
+}
+
+/// Kept free on the GPU beyond the plan: cuBLAS workspaces, kernel modules, fragmentation.
+pub const GPU_RESERVE: u64 = 384 << 20;
+
+#[derive(Debug, Clone)]
+pub struct MemoryPlan {
+    pub gpu: Option<GpuInfo>,
+    pub n_layers: usize,
+    pub gpu_layers: usize,
+    pub output_on_gpu: bool,
+    pub on_gpu: Share,
+    pub on_cpu: Share,
+    /// Memory the process may use on the host (`None`: unknown).
+    pub host_available: Option<u64>,
+    /// The CPU layers' KV cache lives in a file (`--kv-file`), not in memory.
+    pub kv_in_file: bool,
+    pub context: usize,
+    /// Tokens per forward chunk: the largest batch the scratch is reserved for.
+    pub ubatch: usize,
+}
+
+/// Why a plan was refused: a one-line reason (naming the flag to change) and the plan.
+#[derive(Debug, Clone)]
+pub struct Refused {
+    pub reason: String,
+    pub plan: MemoryPlan,
+}
+
+/// Inputs of a plan besides the model.
+#[derive(Debug, Clone)]
+pub struct PlanRequest {
+    pub gpu: Option<GpuInfo>,
+    pub layers: GpuLayers,
+    pub host_available: Option<u64>,
+    pub kv_in_file: bool,
+    pub context: usize,
+    pub ubatch: usize,
+}
+
+impl MemoryPlan {
+    /// Places the layers and checks that every device can hold its share.
+    pub fn new(sizes: &ModelSizes, req: &PlanRequest) -> Result<MemoryPlan, Box<Refused>> {
+        let n = sizes.n_layers();
+        let ctx = req.context as u64;
+        let mut ub = req.ubatch.min(req.context.max(1)).max(1) as u64;
+        if let Some(g) = &req.gpu {
+            // Scores of a chunk grow with the context: shrink the chunk until its scratch
+            // takes at most a quarter of the free VRAM.
+            let budget = g.free.saturating_sub(GPU_RESERVE) / 4;
+            while ub > 16 && sizes.scratch(ub, ctx, true, true) > budget {
+                ub /= 2;
+            }
+        }
+        let (gpu_layers, output_on_gpu) = match (&req.gpu, req.layers) {
+            (None, _) => (0, false),
+            (Some(_), GpuLayers::All) => (n, true),
+            (Some(_), GpuLayers::Count(k)) => (k.min(n), k > n),
+            (Some(g), GpuLayers::Auto) => fit(sizes, g.free.saturating_sub(GPU_RESERVE), ctx, ub),
+        };
+        let mut plan = MemoryPlan {
+            gpu: req.gpu.clone(),
+            n_layers: n,
+            gpu_layers,
+            output_on_gpu,
+            on_gpu: Share::default(),
+            on_cpu: Share::default(),
+            host_available: req.host_available,
+            kv_in_file: req.kv_in_file,
+            context: req.context,
+            ubatch: ub as usize,
+        };
+        plan.on_gpu = gpu_share(sizes, gpu_layers, output_on_gpu, ctx, ub);
+        let cpu_layers = gpu_layers..n;
+        plan.on_cpu = Share {
+            weights: cpu_layers
+                .clone()
+                .map(|l| sizes.layer_weights[l] + sizes.layer_repack[l])
+                .sum::<u64>()
+                + if output_on_gpu {
+                    0
+                } else {
+                    sizes.output_weights + sizes.output_repack
+                },
+            kv: if req.kv_in_file {
+                0
+            } else {
+                cpu_layers.len() as u64 * sizes.kv_per_layer_token * ctx
+            },
+            scratch: sizes.scratch(ub, ctx, !output_on_gpu, false),
+        };
+
+        if let Some(g) = &plan.gpu {
+            if plan.on_gpu.total() + GPU_RESERVE > g.free && gpu_layers > 0 {
+                return Err(Box::new(Refused {
+                    reason: format!(
+                        "{} layers{} need {} on {} but only {} is free; lower -ngl (or use -ngl auto), -c or --ubatch-size",
+                        gpu_layers,
+                        if output_on_gpu { " and the output layer" } else { "" },
+                        human_bytes(plan.on_gpu.total() + GPU_RESERVE),
+                        g.name,
+                        human_bytes(g.free)
+                    ),
+                    plan,
+                }));
+            }
+        }
+        if let Some(avail) = plan.host_available {
+            let need = plan.on_cpu.total();
+            if need > avail {
+                let c = plan.on_cpu;
+                let reason = if c.weights > avail {
+                    format!(
+                        "the weights need about {} of memory on the CPU (with candle's repacked copies) but only {} is available; \
+                         use a smaller quantization{}",
+                        human_bytes(c.weights),
+                        human_bytes(avail),
+                        if plan.gpu.is_some() { " or offload more layers (-ngl)" } else { "" }
+                    )
+                } else if c.weights + c.kv > avail {
+                    format!(
+                        "the KV cache for {} tokens needs {} on the CPU but only {} of memory is available besides the weights; \
+                         lower -c, use --cache-type f16, or back it with a file (--kv-file)",
+                        req.context,
+                        human_bytes(c.kv),
+                        human_bytes(avail - c.weights)
+                    )
+                } else {
+                    format!(
+                        "a forward chunk of {} tokens over a context of {} needs about {} of working memory but only {} is left; \
+                         lower --ubatch-size or -c",
+                        plan.ubatch,
+                        req.context,
+                        human_bytes(c.scratch),
+                        human_bytes(avail - c.weights - c.kv)
+                    )
+                };
+                return Err(Box::new(Refused { reason, plan }));
+            }
+        }
+        Ok(plan)
+    }
+}
+
+fn gpu_share(sizes: &ModelSizes, layers: usize, output: bool, ctx: u64, ub: u64) -> Share {
+    if layers == 0 && !output {
+        return Share::default();
+    }
+    Share {
+        weights: sizes.layer_weights[..layers].iter().sum::<u64>()
+            + if output { sizes.output_weights } else { 0 },
+        kv: layers as u64 * sizes.kv_per_layer_token * ctx,
+        scratch: sizes.scratch(ub, ctx, output, true),
+    }
+}
+
+/// `-ngl auto`: the most leading layers that fit in `budget`, then the output layer if it
+/// fits too.
+fn fit(sizes: &ModelSizes, budget: u64, ctx: u64, ub: u64) -> (usize, bool) {
+    let n = sizes.n_layers();
+    let fits =
+        |layers: usize, output: bool| gpu_share(sizes, layers, output, ctx, ub).total() <= budget;
+    let mut layers = 0;
+    while layers < n && fits(layers + 1, false) {
+        layers += 1;
+    }
+    if layers == 0 {
+        return (0, false);
+    }
+    (layers, layers == n && fits(n, true))
+}
+
+impl fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = |x: u64| human_bytes(x);
+        match &self.gpu {
+            Some(g) => writeln!(
+                f,
+                "memory plan: {}/{} layers on {}, output layer on {}",
+                self.gpu_layers,
+                self.n_layers,
+                g.name,
+                if self.output_on_gpu {
+                    "the GPU"
+                } else {
+                    "the CPU"
+                }
+            )?,
+            None => writeln!(f, "memory plan: {} layers on the CPU", self.n_layers)?,
+        }
+        let line = |f: &mut fmt::Formatter<'_>, name: &str, s: &Share, of: String| {
+            writeln!(
+                f,
+                "  {name:<5} weights {:>10}  KV {:>10}  scratch {:>10}  total {:>10}{of}",
+                b(s.weights),
+                b(s.kv),
+                b(s.scratch),
+                b(s.total()),
+            )
+        };
+        if let Some(g) = &self.gpu {
+            line(
+                f,
+                "GPU",
+                &self.on_gpu,
+                format!(" (+{} reserve) of {} free", b(GPU_RESERVE), b(g.free)),
+            )?;
+        }
+        line(
+            f,
+            "CPU",
+            &self.on_cpu,
+            match self.host_available {
+                Some(a) => format!(" of {} available", b(a)),
+                None => String::new(),
+            },
+        )?;
+        write!(
+            f,
+            "  context {} tokens{}; forwards run in chunks of up to {} tokens",
+            self.context,
+            if self.kv_in_file {
+                ", CPU layers' KV in the --kv-file"
+            } else {
+                ""
+            },
+            self.ubatch
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Qwen3-8B-like numbers at Q4_K_M: 36 layers of ~130 MB, output ~650 MB.
+    fn sizes_8b() -> ModelSizes {
+        ModelSizes {
+            layer_weights: vec![130 << 20; 36],
+            layer_repack: vec![100 << 20; 36],
+            output_weights: 650 << 20,
+            output_repack: 650 << 20,
+            kv_per_layer_token: 2 * 8 * 128 * 2,
+            hidden: 4096,
+            ffn: 12288,
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+            vocab: 151_671,
+        }
+    }
+
+    fn req(free: Option<u64>, layers: GpuLayers) -> PlanRequest {
+        PlanRequest {
+            gpu: free.map(|free| GpuInfo {
+                name: "CUDA0".into(),
+                free,
+            }),
+            layers,
+            host_available: Some(64 << 30),
+            kv_in_file: false,
+            context: 4096,
+            ubatch: 512,
+        }
+    }
+
+    #[test]
+    fn auto_fits_what_free_vram_holds() {
+        let s = sizes_8b();
+        // 24 GiB: everything, output included.
+        let p = MemoryPlan::new(&s, &req(Some(24 << 30), GpuLayers::Auto)).unwrap();
+        assert_eq!((p.gpu_layers, p.output_on_gpu), (36, true));
+        // 4 GiB: some layers, no output layer; the plan stays within the budget.
+        let p = MemoryPlan::new(&s, &req(Some(4 << 30), GpuLayers::Auto)).unwrap();
+        assert!(p.gpu_layers > 0 && p.gpu_layers < 36, "{p}");
+        assert!(!p.output_on_gpu);
+        assert!(p.on_gpu.total() + GPU_RESERVE <= 4 << 30);
+        // One more layer would not have fitted.
+        let more = gpu_share(&s, p.gpu_layers + 1, false, 4096, 512).total();
+        assert!(more + GPU_RESERVE > 4 << 30);
+        // Almost nothing free: all on the CPU.
+        let p = MemoryPlan::new(&s, &req(Some(300 << 20), GpuLayers::Auto)).unwrap();
+        assert_eq!((p.gpu_layers, p.on_gpu.total()), (0, 0));
+        assert_eq!(p.on_cpu.kv, 36 * 4096 * 4096);
+    }
+
+    #[test]
+    fn explicit_counts_follow_llama_cpp_and_are_checked() {
+        let s = sizes_8b();
+        let p = MemoryPlan::new(&s, &req(Some(24 << 30), GpuLayers::Count(10))).unwrap();
+        assert_eq!((p.gpu_layers, p.output_on_gpu), (10, false));
+        assert_eq!(p.on_gpu.kv, 10 * 4096 * 4096);
+        assert_eq!(p.on_cpu.kv, 26 * 4096 * 4096);
+        let p = MemoryPlan::new(&s, &req(Some(24 << 30), GpuLayers::Count(99))).unwrap();
+        assert_eq!((p.gpu_layers, p.output_on_gpu), (36, true));
+        assert_eq!(p.on_cpu.weights, 0);
+        let e = MemoryPlan::new(&s, &req(Some(2 << 30), GpuLayers::All)).unwrap_err();
+        assert!(e.reason.contains("-ngl"), "{}", e.reason);
+        assert!(e.plan.to_string().contains("36/36 layers"), "{}", e.plan);
+        // Without a GPU, -ngl places nothing.
+        let p = MemoryPlan::new(&s, &req(None, GpuLayers::All)).unwrap();
+        assert_eq!(p.gpu_layers, 0);
+    }
+
+    #[test]
+    fn the_host_side_is_checked_too() {
+        let s = sizes_8b();
+        let mut r = req(None, GpuLayers::Auto);
+        r.host_available = Some(1 << 30);
+        let e = MemoryPlan::new(&s, &r).unwrap_err();
+        assert!(e.reason.contains("the weights need about"), "{}", e.reason);
+        r.host_available = Some(12 << 30);
+        r.context = 40_000;
+        let e = MemoryPlan::new(&s, &r).unwrap_err();
+        assert!(e.reason.contains("--kv-file"), "{}", e.reason);
+        r.kv_in_file = true;
+        let p = MemoryPlan::new(&s, &r).unwrap();
+        assert_eq!(p.on_cpu.kv, 0);
+        // Offloading layers moves their share off the host.
+        let mut r = req(Some(24 << 30), GpuLayers::All);
+        r.host_available = Some(1 << 30);
+        assert!(MemoryPlan::new(&s, &r).is_ok());
+    }
+
+    #[test]
+    fn ngl_values_parse_like_llama_cpp() {
+        assert_eq!("auto".parse::<GpuLayers>(), Ok(GpuLayers::Auto));
+        assert_eq!("all".parse::<GpuLayers>(), Ok(GpuLayers::All));
+        assert_eq!("12".parse::<GpuLayers>(), Ok(GpuLayers::Count(12)));
+        assert!("-1".parse::<GpuLayers>().is_err());
+        assert!("lots".parse::<GpuLayers>().unwrap_err().contains("-ngl"));
+    }
+}
