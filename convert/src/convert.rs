@@ -71,7 +71,7 @@ fn u32_of(what: &str, v: u64) -> Result<Value> {
 }
 
 /// Metadata in the order it is written.
-fn metadata(
+pub(crate) fn metadata(
     cfg: &Qwen3Config,
     vocab: &GgufVocab,
     name: &str,

@@ -13,6 +13,7 @@ pub mod output;
 pub mod pipeline;
 pub mod quant;
 pub mod requantize;
+pub mod synthetic;
 
 pub use convert::{convert, Checkpoint, ConvertOptions};
 pub use decoding::DecodingDefaults;

@@ -30,6 +30,18 @@ pub trait RowSource: Sync {
     fn input_type(&self) -> String;
     /// The tensor's name in the input, for error messages.
     fn source_name(&self) -> String;
+    /// Writes rows `first..first+count` already encoded as `ty` into `out`, when the source
+    /// can (synthetic weights tile pre-encoded rows); `false` sends them through `read_rows`
+    /// and the quantizer.
+    fn encoded_rows(
+        &self,
+        _ty: crate::gguf::GgmlType,
+        _first: usize,
+        _count: usize,
+        _out: &mut [u8],
+    ) -> bool {
+        false
+    }
 }
 
 pub struct Job<'a> {
@@ -146,6 +158,15 @@ pub fn write_gguf(
         while row < n_rows {
             check_interrupt()?;
             let count = rows_per_chunk.min(n_rows - row);
+            out_buf.resize(count * row_bytes, 0);
+            if job.source.encoded_rows(spec.ty, row, count, &mut out_buf) {
+                writer.write_data(&out_buf).map_err(io_err)?;
+                if let Some(bar) = &bar {
+                    bar.inc(input_per_row * count as u64);
+                }
+                row += count;
+                continue;
+            }
             f32_buf.resize(count * row_len, 0.0);
             job.source.read_rows(row, count, &mut f32_buf);
             if let Some(pos) = f32_buf.iter().position(|v| !v.is_finite()) {

@@ -95,13 +95,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 human_bytes(loaded.file.file_len())
             );
         }
-        println!("| model                          |       size |     params | backend    | threads |            test |                  t/s |");
-        println!("| ------------------------------ | ---------: | ---------: | ---------- | ------: | --------------: | -------------------: |");
+        println!("| model                          |       size |     params | backend       | threads |            test |                  t/s |");
+        println!("| ------------------------------ | ---------: | ---------: | ------------- | ------: | --------------: | -------------------: |");
     }
-    let backend = if matches!(a.model.device, crate::runtime::DeviceChoice::Cpu) {
-        "CPU"
-    } else {
-        "auto"
+    // llama-bench's backend column, with the offload: "CUDA ngl 36+o" is every layer and the
+    // output layer on the GPU.
+    let backend = match loaded.model.offload() {
+        Some(o) => format!("CUDA ngl {}{}", o.layers, if o.output { "+o" } else { "" }),
+        None => "CPU".to_string(),
     };
     for &n in &a.n_tokens {
         let toks: Vec<u32> = (0..n as u32).map(|i| (i * 104_729 + 7) % vocab).collect();
@@ -141,11 +142,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     "tokens_per_s": tps,
                     "ms_per_forward": median * 1e3,
                     "threads": threads,
+                    "backend": backend,
                 })
             );
         } else {
             println!(
-                "| {:<30} | {:>10} | {:>10} | {:<10} | {:>7} | {:>15} | {:>20} |",
+                "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>15} | {:>20} |",
                 format!("{name} {file_type}"),
                 human_bytes(size),
                 if params >= 1_000_000_000 {

@@ -56,7 +56,15 @@ impl MixArgs {
 #[derive(Args)]
 pub struct ConvertArgs {
     /// Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files).
-    hf_dir: PathBuf,
+    #[arg(required_unless_present = "synthetic")]
+    hf_dir: Option<PathBuf>,
+    /// Instead of a checkpoint: random weights in a real Qwen3 shape (0.6b, 1.7b, 4b, 8b),
+    /// for benchmarks; the tokenizer comes from --tokenizer-dir.
+    #[arg(long, value_name = "SHAPE", conflicts_with = "hf_dir")]
+    synthetic: Option<String>,
+    /// Tokenizer folder for --synthetic (default: the ReFusion tokenizer in this repository).
+    #[arg(long, value_name = "DIR", default_value = super::demo::TOKENIZER_DIR, requires = "synthetic")]
+    tokenizer_dir: PathBuf,
     /// Output file (default: <folder name>-<TYPE>.gguf in the current directory).
     #[arg(short, long)]
     outfile: Option<PathBuf>,
@@ -136,19 +144,27 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
         },
         verbosity: a.mix.verbosity(),
     };
-    let outfile = match &a.outfile {
-        Some(p) => p.clone(),
-        None => {
-            let stem = a
-                .hf_dir
-                .canonicalize()
-                .ok()
-                .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-                .unwrap_or_else(|| "model".into());
-            PathBuf::from(format!("{stem}-{}.gguf", a.outtype.display_name()))
-        }
+    let stem = match (&a.hf_dir, &a.synthetic) {
+        (_, Some(shape)) => format!("synthetic-{shape}"),
+        (Some(dir), None) => dir
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "model".into()),
+        (None, None) => "model".into(),
     };
-    let summary = refusion_convert::convert(&a.hf_dir, &outfile, &opts)?;
+    let outfile = a
+        .outfile
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("{stem}-{}.gguf", a.outtype.display_name())));
+    let summary = match (&a.hf_dir, &a.synthetic) {
+        (_, Some(shape)) => {
+            let cfg = refusion_convert::synthetic::shape(shape)?;
+            refusion_convert::synthetic::write_synthetic(&outfile, &cfg, &a.tokenizer_dir, &opts)?
+        }
+        (Some(dir), None) => refusion_convert::convert(dir, &outfile, &opts)?,
+        (None, None) => anyhow::bail!("give a checkpoint folder or --synthetic SHAPE"),
+    };
     report(&outfile, &summary, opts.verbosity);
     Ok(())
 }

@@ -18,7 +18,7 @@ use refusion_convert::{ConvertOptions, Verbosity};
 use super::generate::GenerateArgs;
 
 /// Where the repository keeps the real ReFusion tokenizer.
-const TOKENIZER_DIR: &str = concat!(
+pub(crate) const TOKENIZER_DIR: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/fixtures/tokenizers/refusion"
 );

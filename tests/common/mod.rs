@@ -13,12 +13,21 @@ use refusion::convert::names;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value as Json};
 
+/// The binary under test; `REFUSION_BIN` overrides it (test binaries built ahead and run on
+/// another machine, as scripts/gpu-check.sh does).
 pub fn bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_refusion"))
+    std::env::var_os("REFUSION_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_refusion")))
 }
 
+/// The repository's test fixtures; `REFUSION_REPO` names the checkout when the test binary was
+/// built elsewhere.
 pub fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+    std::env::var_os("REFUSION_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+        .join("tests/fixtures")
 }
 
 pub fn fixture_model(name: &str) -> PathBuf {
