@@ -166,14 +166,13 @@ impl Qwen3 {
             _ => Device::Cpu,
         };
         let n_gpu = offload.as_ref().map_or(0, |o| o.layers);
-        let mut layers = Vec::with_capacity(cfg.n_layers);
-        for l in 0..cfg.n_layers {
+        let load_layer = |l: usize| -> Result<Layer> {
             let ld = Loader {
                 file: &file,
                 device: on(l < n_gpu),
             };
             let n = |s: &str| format!("blk.{l}.{s}.weight");
-            layers.push(Layer {
+            Ok(Layer {
                 device: ld.device.clone(),
                 attn_norm: ld.vector(&n("attn_norm"))?,
                 attn_q: ld.matmul(&n("attn_q"))?,
@@ -186,7 +185,46 @@ impl Qwen3 {
                 ffn_gate: ld.matmul(&n("ffn_gate"))?,
                 ffn_up: ld.matmul(&n("ffn_up"))?,
                 ffn_down: ld.matmul(&n("ffn_down"))?,
-            });
+            })
+        };
+        let slots: Vec<std::sync::Mutex<Option<Result<Layer>>>> =
+            (0..cfg.n_layers).map(|_| Default::default()).collect();
+        let put = |l: usize, r: Result<Layer>| {
+            if let Ok(mut slot) = slots[l].lock() {
+                *slot = Some(r);
+            }
+        };
+        for l in 0..n_gpu.min(cfg.n_layers) {
+            put(l, load_layer(l));
+        }
+        // CPU layers load on one thread per core, and each is packed for candle's x86
+        // kernels right away: the copies' page faults and the single-threaded repacking would
+        // otherwise run on one core, the packing during the first forward. (Not on candle's
+        // barrier pool: the packing products call into it, which must not nest.)
+        let next = std::sync::atomic::AtomicUsize::new(n_gpu.min(cfg.n_layers));
+        let workers = candle_core::utils::get_num_threads().clamp(1, cfg.n_layers.max(1));
+        std::thread::scope(|scope| {
+            for _ in 0..workers {
+                scope.spawn(|| loop {
+                    let l = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if l >= cfg.n_layers {
+                        break;
+                    }
+                    put(
+                        l,
+                        load_layer(l).and_then(|layer| layer.prepack().map(|_| layer)),
+                    );
+                });
+            }
+        });
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for (l, slot) in slots.into_iter().enumerate() {
+            let r = slot
+                .into_inner()
+                .ok()
+                .flatten()
+                .unwrap_or_else(|| Err(Error::msg(format!("layer {l} did not load"))));
+            layers.push(r?);
         }
         let ld = Loader {
             file: &file,
@@ -199,6 +237,7 @@ impl Qwen3 {
             ld.matmul("output.weight")?
         };
         let output_device = ld.device;
+        prepack(&output)?;
         let hd = cfg.head_dim;
         let inv_freq = (0..hd / 2)
             .map(|i| 1.0f32 / cfg.rope_theta.powf((2 * i) as f32 / hd as f32))
@@ -310,7 +349,35 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(x, w, eps as f32)?)
 }
 
+/// Has candle build its repacked copy of a CPU weight now (it does so on first use): one
+/// small product, as the forward's shapes would (two rows: Q6_K packs only for several).
+fn prepack(m: &QMatMul) -> Result<()> {
+    if let QMatMul::QTensor(q) = m {
+        let packs = matches!(q.dtype(), GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q8_0);
+        if packs && q.device().is_cpu() {
+            let (_, k) = q.shape().dims2()?;
+            m.forward(&Tensor::zeros((2, k), DType::F32, &Device::Cpu)?)?;
+        }
+    }
+    Ok(())
+}
+
 impl Layer {
+    fn prepack(&self) -> Result<()> {
+        for m in [
+            &self.attn_q,
+            &self.attn_k,
+            &self.attn_v,
+            &self.attn_output,
+            &self.ffn_gate,
+            &self.ffn_up,
+            &self.ffn_down,
+        ] {
+            prepack(m)?;
+        }
+        Ok(())
+    }
+
     /// The feed-forward half of the block, with its residual.
     fn ffn(&self, x: Tensor, eps: f64) -> Result<Tensor> {
         let h = rms_norm(&x, &self.ffn_norm, eps)?;
