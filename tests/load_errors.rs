@@ -219,4 +219,19 @@ fn device_and_flag_errors() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(kv.exists());
     assert!(stdout(&o).contains("pp4 @ d8"));
+    // llama.cpp's -ngl and -ub: bad values are refused; on the CPU, -ngl is a warning and the
+    // plan shows every layer on the CPU; forwards longer than -ub run in chunks.
+    let o = run(&["bench", "-m", m, "-ngl", "lots"]);
+    assert_fails_with(&o, &["invalid -ngl 'lots'"]);
+    let o = run(&["bench", "-m", m, "-ub", "0"]);
+    assert_fails_with(&o, &["invalid micro-batch '0'"]);
+    let o = run(&[
+        "bench", "-m", m, "-p", "9", "-r", "1", "-d", "4", "-ngl", "3", "-ub", "4",
+    ]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("warning: -ngl 3 has no effect"), "{err}");
+    assert!(err.contains("layers on the CPU"), "{err}");
+    assert!(err.contains("chunks of up to 4 tokens"), "{err}");
+    assert!(stdout(&o).contains("pp9 @ d4"));
 }
