@@ -111,6 +111,9 @@ pub struct KvCache {
     free: Vec<usize>,
     /// Reused staging buffer for commits.
     staging: Vec<u8>,
+    /// Bytes of K/V written into the cache or copied within it, over its life (see
+    /// [`KvCache::bytes_moved`]).
+    moved: u64,
 }
 
 impl KvCache {
@@ -211,6 +214,7 @@ impl KvCache {
             next_free: 0,
             free: Vec::new(),
             staging: Vec::new(),
+            moved: 0,
         }
     }
 
@@ -220,6 +224,14 @@ impl KvCache {
 
     pub fn cache_type(&self) -> CacheType {
         self.ty
+    }
+
+    /// Bytes of K/V this cache has written or copied: new entries, and entries moved by commits
+    /// (staged, then written), compaction and loads. What a forward costs the cache is thus
+    /// visible: it grows with the entries written and committed, never with the shared prefix
+    /// every row reads in place.
+    pub fn bytes_moved(&self) -> u64 {
+        self.moved
     }
 
     /// Layers whose K/V live on the device (`0..n`).
@@ -375,6 +387,7 @@ impl KvCache {
             }
         }
         let positions: Vec<u32> = slots.iter().map(|&s| self.slot_pos[s]).collect();
+        self.moved += 2 * (slots.len() * self.shape.bytes_per_token(self.ty)) as u64;
         self.clear_rows();
         let base = self.shared;
         for head in 0..n_heads {
@@ -409,7 +422,13 @@ impl KvCache {
         let kept: Vec<usize> = (0..self.shared)
             .filter(|&i| keep(i, self.shared_pos[i]))
             .collect();
-        let moved = kept.iter().enumerate().any(|(dst, &src)| dst != src);
+        let shifted = kept
+            .iter()
+            .enumerate()
+            .filter(|&(dst, &src)| dst != src)
+            .count();
+        self.moved += (shifted * self.shape.bytes_per_token(self.ty)) as u64;
+        let moved = shifted > 0;
         if moved && !self.device.is_empty() {
             let ids: Vec<u32> = kept.iter().map(|&s| s as u32).collect();
             let ids = Tensor::from_vec(ids, kept.len(), self.device[0].k.device())?;
@@ -479,6 +498,7 @@ impl KvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<()> {
+        self.moved += (k.dim(0)? * self.shape.layer_bytes_per_token(self.ty)) as u64;
         let dl = &self.device[layer];
         for (dst, src) in [(&dl.k, k), (&dl.v, v)] {
             let src = src
@@ -529,6 +549,7 @@ impl KvCache {
     /// each slot in `slots`, `n_kv_heads * head_dim` values.
     pub fn write(&mut self, layer: usize, slots: &[usize], k: &[f32], v: &[f32]) {
         let (nkv, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
+        self.moved += (slots.len() * self.shape.layer_bytes_per_token(self.ty)) as u64;
         for (is_v, src) in [(false, k), (true, v)] {
             for kvh in 0..nkv {
                 let h = self.head_index(layer, is_v, kvh);
@@ -834,6 +855,7 @@ impl KvCache {
         self.shared = n;
         self.shared_pos = positions;
         self.next_free = n;
+        self.moved += (n * self.shape.bytes_per_token(self.ty)) as u64;
         Ok(SavedPrefix { tokens, extra })
     }
 }
