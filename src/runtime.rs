@@ -115,6 +115,8 @@ pub struct LoadOptions {
     pub gpu_layers: Option<GpuLayers>,
     /// Most tokens per forward chunk (`-ub`); the plan may lower it to fit the GPU.
     pub ubatch: usize,
+    /// Copy quantized CPU weights into memory instead of reading them from the map.
+    pub no_mmap: bool,
     pub verbose: bool,
 }
 
@@ -237,7 +239,7 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
         layers: plan.gpu_layers,
         output: plan.output_on_gpu,
     });
-    let mut model = Qwen3::load_offloaded(file.clone(), offload).map_err(in_file)?;
+    let mut model = Qwen3::load_with(file.clone(), offload, !opts.no_mmap).map_err(in_file)?;
     model.set_ubatch(plan.ubatch);
     let cfg = model.config();
     if tokenizer.vocab_size() > cfg.vocab {

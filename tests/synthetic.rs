@@ -43,6 +43,23 @@ fn a_synthetic_qwen3_0_6b_has_the_real_shapes_and_types_and_runs() {
     assert!(logits.data.iter().all(|x| x.is_finite()));
     // A different logit for different inputs: the weights are not all alike.
     assert_ne!(logits.row(0), logits.row(2));
+
+    // Weights read in place from the map and weights copied into memory (--no-mmap) give the
+    // same logits to the bit, for one row (candle's one-row kernels) and many (packed tiles).
+    let copied = Qwen3::load_with(Arc::new(GgufFile::open(&out).unwrap()), None, false).unwrap();
+    let tokens: Vec<u32> = (0..9).map(|i| 100 + i * 997).collect();
+    let positions: Vec<u32> = (0..9).collect();
+    for n in [1, 9] {
+        let batch = Batch::row(&tokens[..n], &positions[..n], 0);
+        let mut a = model.new_cache(16, CacheType::F32, None).unwrap();
+        let mut b = copied.new_cache(16, CacheType::F32, None).unwrap();
+        let la = model.forward(&batch, &mut a).unwrap();
+        let lb = copied.forward(&batch, &mut b).unwrap();
+        assert!(
+            la.data == lb.data,
+            "{n} tokens: mapped and copied weights differ"
+        );
+    }
 }
 
 #[test]

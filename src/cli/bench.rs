@@ -122,7 +122,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         if !a.json && n == a.n_tokens[0] {
             if let Some(rss) = resident_bytes() {
-                eprintln!("resident memory after the first forwards: {}", human_bytes(rss));
+                eprintln!(
+                    "resident memory after the first forwards: {}",
+                    human_bytes(rss)
+                );
             }
         }
         times.sort_by(f64::total_cmp);

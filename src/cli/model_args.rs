@@ -35,6 +35,10 @@ pub struct ModelArgs {
     /// Most tokens per forward chunk (`-ub`); the memory plan may lower it to fit the GPU.
     #[arg(long = "ubatch-size", default_value_t = crate::model::qwen3::DEFAULT_UBATCH, value_parser = parse_ubatch)]
     pub ubatch: usize,
+    /// Copy the weights into memory instead of reading them from the memory-mapped file
+    /// (llama.cpp's --no-mmap; uses more memory, avoids page faults on slow filesystems).
+    #[arg(long)]
+    pub no_mmap: bool,
 }
 
 fn parse_ubatch(s: &str) -> Result<usize, String> {
@@ -68,6 +72,7 @@ impl ModelArgs {
             device: self.device.clone(),
             gpu_layers: self.gpu_layers,
             ubatch: self.ubatch,
+            no_mmap: self.no_mmap,
             verbose,
         }
     }

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod config;
 pub mod device_attention;
+mod mapped;
 pub mod qwen3;
 
 pub use config::Qwen3Config;

@@ -77,8 +77,10 @@ pub struct Qwen3 {
 }
 
 struct Loader<'a> {
-    file: &'a GgufFile,
+    file: &'a Arc<GgufFile>,
     device: Device,
+    /// Read quantized CPU weights in place from the map (else copy them, `--no-mmap`).
+    mmap: bool,
 }
 
 impl Loader<'_> {
@@ -106,7 +108,14 @@ impl Loader<'_> {
             self.file.release(t, 0, t.n_bytes);
             return Ok(QMatMul::Tensor(w));
         }
-        let storage = QStorage::from_data(Cow::Borrowed(data), &self.device, candle_dtype(t.ty))?;
+        let dtype = candle_dtype(t.ty);
+        if self.device.is_cpu() && self.mmap {
+            // Read in place from the map; its pages are released once packed (`prepack`).
+            if let Some(storage) = super::mapped::mapped_storage(self.file, t, dtype) {
+                return Ok(QMatMul::from_arc(Arc::new(QTensor::new(storage, dims)?))?);
+            }
+        }
+        let storage = QStorage::from_data(Cow::Borrowed(data), &self.device, dtype)?;
         let q = QTensor::new(storage, dims)?;
         // The pages were copied: let the kernel drop them from this process.
         self.file.release(t, 0, t.n_bytes);
@@ -144,6 +153,12 @@ impl Qwen3 {
     /// Loads the weights with the first `offload.layers` layers (and the output layer when
     /// `offload.output`) on `offload.device`, the rest on the CPU.
     pub fn load_offloaded(file: Arc<GgufFile>, offload: Option<Offload>) -> Result<Qwen3> {
+        Self::load_with(file, offload, true)
+    }
+
+    /// As [`Qwen3::load_offloaded`]; with `mmap` false, quantized CPU weights are copied into
+    /// memory instead of read in place from the map (llama.cpp's `--no-mmap`).
+    pub fn load_with(file: Arc<GgufFile>, offload: Option<Offload>, mmap: bool) -> Result<Qwen3> {
         let cfg = Qwen3Config::from_gguf(&file.header)?;
         cfg.validate_tensors(&file.header)?;
         let token_embd = file
@@ -170,6 +185,7 @@ impl Qwen3 {
             let ld = Loader {
                 file: &file,
                 device: on(l < n_gpu),
+                mmap,
             };
             let n = |s: &str| format!("blk.{l}.{s}.weight");
             Ok(Layer {
@@ -210,10 +226,10 @@ impl Qwen3 {
                     if l >= cfg.n_layers {
                         break;
                     }
-                    put(
-                        l,
-                        load_layer(l).and_then(|layer| layer.prepack().map(|_| layer)),
-                    );
+                    let r = load_layer(l).and_then(|layer| layer.prepack().map(|_| layer));
+                    // Packed: what is still read of the originals comes back from the page cache.
+                    release_prefix(&file, &format!("blk.{l}."));
+                    put(l, r);
                 });
             }
         });
@@ -229,6 +245,7 @@ impl Qwen3 {
         let ld = Loader {
             file: &file,
             device: on(offload.as_ref().is_some_and(|o| o.output)),
+            mmap,
         };
         let output_norm = ld.vector("output_norm.weight")?;
         let output = if cfg.tied_output {
@@ -238,6 +255,14 @@ impl Qwen3 {
         };
         let output_device = ld.device;
         prepack(&output)?;
+        release_prefix(
+            &file,
+            if cfg.tied_output {
+                "token_embd."
+            } else {
+                "output."
+            },
+        );
         let hd = cfg.head_dim;
         let inv_freq = (0..hd / 2)
             .map(|i| 1.0f32 / cfg.rope_theta.powf((2 * i) as f32 / hd as f32))
@@ -347,6 +372,19 @@ pub const DEFAULT_UBATCH: usize = 512;
 
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(x, w, eps as f32)?)
+}
+
+/// Drops this process's pages of the tensors whose names start with `prefix` (file-backed:
+/// a later read faults them back in from the page cache).
+fn release_prefix(file: &GgufFile, prefix: &str) {
+    for t in file
+        .header
+        .tensors
+        .iter()
+        .filter(|t| t.name.starts_with(prefix))
+    {
+        file.release(t, 0, t.n_bytes);
+    }
 }
 
 /// Has candle build its repacked copy of a CPU weight now (it does so on first use): one
