@@ -12,6 +12,8 @@
 #                                           in CUDA_COMPUTE_CAP (on any machine with the
 #                                           toolchain: scripts/setup-cuda-toolchain.sh), to
 #                                           carry to the GPU machine
+# The GPU machine needs the NVIDIA driver (580+) and the CUDA 13 runtime libraries (cudart,
+# cuBLAS, cuRAND); the script says which are missing.
 # Environment: OUT (default target/gpu-check), CUDA_COMPUTE_CAP (default: the GPU's),
 #              NGL_VALUES (default "0 12 24 all"), STEP_TIMEOUT (seconds per step, default 300),
 #              SHAPE (default 8b), DEVICE=cpu to rehearse the script without a GPU (with
@@ -46,12 +48,24 @@ build() {
     [ -x "$test_bin" ] || { echo "could not build the goldens test binary" >&2; return 1; }
     cp target/release/refusion "$out/bin/refusion"
     cp "$test_bin" "$out/bin/goldens"
+    strip "$out/bin/refusion" "$out/bin/goldens" 2>/dev/null || true
     echo "$CUDA_COMPUTE_CAP" > "$out/bin/compute-cap"
 }
 
+# Binaries carried from another machine come xz-compressed (about 7 MB each instead of 57).
+unpack() {
+    for b in refusion goldens; do
+        if [ ! -x "$out/bin/$b" ] && [ -s "$out/bin/$b.xz" ]; then
+            xz -dc "$out/bin/$b.xz" > "$out/bin/$b" && chmod +x "$out/bin/$b"
+        fi
+    done
+}
+
 if [ "${1:-}" = --build-only ]; then
-    build && echo "binaries for sm_$CUDA_COMPUTE_CAP in $out/bin"
-    exit $?
+    build || exit 1
+    for b in refusion goldens; do xz -T0 -6 -kf "$out/bin/$b"; done
+    echo "binaries for sm_$CUDA_COMPUTE_CAP in $out/bin (carry $out/bin/*.xz and compute-cap)"
+    exit 0
 fi
 
 device=${DEVICE:-cuda}
@@ -75,11 +89,19 @@ else
     cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
     export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-$cap}
     echo "GPU: $gpu; CPU: $(nproc) cores" >&2
+    unpack
     if [ ! -x "$out/bin/refusion" ] || [ "$(cat "$out/bin/compute-cap" 2>/dev/null)" != "$CUDA_COMPUTE_CAP" ]; then
         build || { echo "gpu-check: build failed" >&2; exit 1; }
     fi
     bin=$out/bin/refusion
     goldens=$out/bin/goldens
+    # The cuda build links the driver's libcuda and the CUDA 13 runtime libraries.
+    missing=$(ldd "$bin" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' ')
+    if [ -n "$missing" ]; then
+        echo "gpu-check: missing libraries: $missing(install the CUDA 13 runtime, or put the lib" \
+            "folders of the nvidia-cuda-runtime, nvidia-cublas and nvidia-curand wheels on LD_LIBRARY_PATH)" >&2
+        exit 1
+    fi
 fi
 add build "$device${CUDA_COMPUTE_CAP:+, sm_$CUDA_COMPUTE_CAP}" "$(( $(date +%s) - t0 )) s"
 
