@@ -39,14 +39,14 @@ build() {
         fi
     fi
     echo "building for compute capability ${CUDA_COMPUTE_CAP:?set CUDA_COMPUTE_CAP} ..." >&2
-    cargo build --release --locked --features cuda --bin refusion >&2 || return 1
+    cargo build --release --locked --features cuda --bin refusion --target-dir target/cuda >&2 || return 1
     # The goldens test binary, built ahead like the main one (it finds the binary and the
     # fixtures through REFUSION_BIN and REFUSION_REPO at run time).
     local test_bin
-    test_bin=$(cargo test --release --locked --features cuda --test goldens --no-run --message-format=json 2>/dev/null \
+    test_bin=$(cargo test --release --locked --features cuda --test goldens --no-run --target-dir target/cuda --message-format=json 2>/dev/null \
         | grep -o '"executable":"[^"]*goldens[^"]*"' | tail -1 | cut -d'"' -f4)
     [ -x "$test_bin" ] || { echo "could not build the goldens test binary" >&2; return 1; }
-    cp target/release/refusion "$out/bin/refusion"
+    cp target/cuda/release/refusion "$out/bin/refusion"
     cp "$test_bin" "$out/bin/goldens"
     strip "$out/bin/refusion" "$out/bin/goldens" 2>/dev/null || true
     echo "$CUDA_COMPUTE_CAP" > "$out/bin/compute-cap"
