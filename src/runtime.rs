@@ -205,42 +205,58 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
     let start = Instant::now();
     let file = Arc::new(GgufFile::open(&opts.path)?);
     let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
-    let tokenizer = Tokenizer::from_gguf(&file.header).map_err(in_file)?;
-    let device = opts.device.open()?;
-    let cfg = Qwen3Config::from_gguf(&file.header).map_err(in_file)?;
-    let context = if opts.context == 0 {
-        cfg.context_length
-    } else {
-        opts.context
-    };
-    let gpu = gpu_info(&device);
-    if gpu.is_none() {
-        if let Some(GpuLayers::Count(n)) = opts.gpu_layers.filter(|&l| l != GpuLayers::Count(0)) {
-            eprintln!("warning: -ngl {n} has no effect: running on the CPU");
-        }
-    }
-    // Place the layers and check every device's share before allocating anything.
-    let sizes = ModelSizes::from_gguf(&file.header, &cfg, opts.cache_type);
-    let request = PlanRequest {
-        gpu,
-        layers: opts.gpu_layers.unwrap_or(GpuLayers::Auto),
-        host_available: available_memory(),
-        kv_in_file: opts.kv_file.is_some(),
-        context,
-        ubatch: opts.ubatch,
-    };
-    let plan = MemoryPlan::new(&sizes, &request)
-        .map_err(|r| in_file(Error::msg(format!("{}\n{}", r.reason, r.plan))))?;
-    if plan.gpu.is_some() || opts.verbose {
-        eprintln!("{plan}");
-    }
-    let offload = (plan.gpu_layers > 0 || plan.output_on_gpu).then(|| Offload {
-        device: device.clone(),
-        layers: plan.gpu_layers,
-        output: plan.output_on_gpu,
-    });
-    let mut model = Qwen3::load_with(file.clone(), offload, !opts.no_mmap).map_err(in_file)?;
-    model.set_ubatch(plan.ubatch);
+    // The tokenizer (a vocabulary and merge table to build) loads beside the weights; its
+    // errors still come first.
+    let (tokenizer, model, plan, context, device) = std::thread::scope(|scope| {
+        let tokenizer = scope.spawn(|| Tokenizer::from_gguf(&file.header));
+        let rest = (|| -> Result<(Qwen3, MemoryPlan, usize, Device)> {
+            let device = opts.device.open()?;
+            let cfg = Qwen3Config::from_gguf(&file.header).map_err(in_file)?;
+            let context = if opts.context == 0 {
+                cfg.context_length
+            } else {
+                opts.context
+            };
+            let gpu = gpu_info(&device);
+            if gpu.is_none() {
+                if let Some(GpuLayers::Count(n)) =
+                    opts.gpu_layers.filter(|&l| l != GpuLayers::Count(0))
+                {
+                    eprintln!("warning: -ngl {n} has no effect: running on the CPU");
+                }
+            }
+            // Place the layers and check every device's share before allocating anything.
+            let sizes = ModelSizes::from_gguf(&file.header, &cfg, opts.cache_type);
+            let request = PlanRequest {
+                gpu,
+                layers: opts.gpu_layers.unwrap_or(GpuLayers::Auto),
+                host_available: available_memory(),
+                kv_in_file: opts.kv_file.is_some(),
+                context,
+                ubatch: opts.ubatch,
+            };
+            let plan = MemoryPlan::new(&sizes, &request)
+                .map_err(|r| in_file(Error::msg(format!("{}\n{}", r.reason, r.plan))))?;
+            if plan.gpu.is_some() || opts.verbose {
+                eprintln!("{plan}");
+            }
+            let offload = (plan.gpu_layers > 0 || plan.output_on_gpu).then(|| Offload {
+                device: device.clone(),
+                layers: plan.gpu_layers,
+                output: plan.output_on_gpu,
+            });
+            let mut model =
+                Qwen3::load_with(file.clone(), offload, !opts.no_mmap).map_err(in_file)?;
+            model.set_ubatch(plan.ubatch);
+            Ok((model, plan, context, device))
+        })();
+        let tokenizer = tokenizer
+            .join()
+            .map_err(|_| Error::msg("building the tokenizer failed"))?
+            .map_err(in_file)?;
+        let (model, plan, context, device) = rest?;
+        Ok::<_, Error>((tokenizer, model, plan, context, device))
+    })?;
     let cfg = model.config();
     if tokenizer.vocab_size() > cfg.vocab {
         return Err(in_file(Error::msg(format!(
