@@ -82,12 +82,7 @@ impl ModelSizes {
         };
         for t in &header.tensors {
             let extra = if repacked(t.ty) { t.n_bytes } else { 0 };
-            let layer = t
-                .name
-                .strip_prefix("blk.")
-                .and_then(|r| r.split('.').next())
-                .and_then(|l| l.parse::<usize>().ok())
-                .filter(|&l| l < cfg.n_layers);
+            let layer = refusion_convert::names::layer_of(&t.name).filter(|&l| l < cfg.n_layers);
             if let Some(l) = layer {
                 layer_weights[l] += t.n_bytes;
                 layer_repack[l] += extra;

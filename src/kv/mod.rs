@@ -365,17 +365,7 @@ impl KvCache {
         let hd = self.shape.head_dim;
         let n_heads = self.host_heads();
         let entry_bytes = hd * es;
-        // Device layers: gather, then write in place (the gather is the staging copy).
-        if !slots.is_empty() && !self.device.is_empty() {
-            let base = self.shared;
-            let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
-            let ids = Tensor::from_vec(ids, slots.len(), self.device[0].k.device())?;
-            for layer in &self.device {
-                for t in [&layer.k, &layer.v] {
-                    t.slice_set(&t.index_select(&ids, 1)?, 1, base)?;
-                }
-            }
-        }
+        self.device_move(&slots, self.shared)?;
         // Stage the entries first: a destination slot may hold another committed entry.
         self.staging.clear();
         self.staging.reserve(slots.len() * n_heads * entry_bytes);
@@ -428,15 +418,8 @@ impl KvCache {
             .filter(|&(dst, &src)| dst != src)
             .count();
         self.moved += (shifted * self.shape.bytes_per_token(self.ty)) as u64;
-        let moved = shifted > 0;
-        if moved && !self.device.is_empty() {
-            let ids: Vec<u32> = kept.iter().map(|&s| s as u32).collect();
-            let ids = Tensor::from_vec(ids, kept.len(), self.device[0].k.device())?;
-            for layer in &self.device {
-                for t in [&layer.k, &layer.v] {
-                    t.slice_set(&t.index_select(&ids, 1)?, 1, 0)?;
-                }
-            }
+        if shifted > 0 {
+            self.device_move(&kept, 0)?;
         }
         for head in 0..n_heads {
             for (dst, &src) in kept.iter().enumerate() {
@@ -573,6 +556,32 @@ impl KvCache {
         }
     }
 
+    /// Slot numbers as an index tensor on the cache's device.
+    fn device_ids(&self, slots: &[usize]) -> Result<Tensor> {
+        let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+        Ok(Tensor::from_vec(
+            ids,
+            slots.len(),
+            self.device[0].k.device(),
+        )?)
+    }
+
+    /// Copies the entries in `slots`, in order, of every device layer to slots `dst..`: a
+    /// gather (which is the staging copy, so sources and destinations may overlap) and an
+    /// in-place write.
+    fn device_move(&self, slots: &[usize], dst: usize) -> Result<()> {
+        if slots.is_empty() || self.device.is_empty() {
+            return Ok(());
+        }
+        let ids = self.device_ids(slots)?;
+        for layer in &self.device {
+            for t in [&layer.k, &layer.v] {
+                t.slice_set(&t.index_select(&ids, 1)?, 1, dst)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The K/V of the given slots of every device layer, as little-endian bytes in file order
     /// (layer, K then V, KV head, entry).
     fn device_entries(&self, slots: &[usize]) -> Result<Vec<u8>> {
@@ -580,8 +589,7 @@ impl KvCache {
         if self.device.is_empty() || slots.is_empty() {
             return Ok(out);
         }
-        let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
-        let ids = Tensor::from_vec(ids, slots.len(), self.device[0].k.device())?;
+        let ids = self.device_ids(slots)?;
         for layer in &self.device {
             for t in [&layer.k, &layer.v] {
                 let g = t.index_select(&ids, 1)?.flatten_all()?;

@@ -203,45 +203,46 @@ impl Qwen3 {
                 ffn_down: ld.matmul(&n("ffn_down"))?,
             })
         };
-        let slots: Vec<std::sync::Mutex<Option<Result<Layer>>>> =
-            (0..cfg.n_layers).map(|_| Default::default()).collect();
-        let put = |l: usize, r: Result<Layer>| {
-            if let Ok(mut slot) = slots[l].lock() {
-                *slot = Some(r);
-            }
-        };
-        for l in 0..n_gpu.min(cfg.n_layers) {
-            put(l, load_layer(l));
-        }
+        let mut loaded: Vec<(usize, Result<Layer>)> =
+            (0..n_gpu).map(|l| (l, load_layer(l))).collect();
         // CPU layers load on one thread per core, and each is packed for candle's x86
-        // kernels right away: the copies' page faults and the single-threaded repacking would
-        // otherwise run on one core, the packing during the first forward. (Not on candle's
-        // barrier pool: the packing products call into it, which must not nest.)
-        let next = std::sync::atomic::AtomicUsize::new(n_gpu.min(cfg.n_layers));
+        // kernels right away: the single-threaded repacking would otherwise run on one core,
+        // during the first forward. (Not on candle's barrier pool: the packing products call
+        // into it, which must not nest.)
+        let next = std::sync::atomic::AtomicUsize::new(n_gpu);
         let workers = candle_core::utils::get_num_threads().clamp(1, cfg.n_layers.max(1));
-        std::thread::scope(|scope| {
-            for _ in 0..workers {
-                scope.spawn(|| loop {
-                    let l = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if l >= cfg.n_layers {
-                        break;
-                    }
-                    let r = load_layer(l).and_then(|layer| layer.prepack().map(|_| layer));
-                    // Packed: what is still read of the originals comes back from the page cache.
-                    release_prefix(&file, &format!("blk.{l}."));
-                    put(l, r);
-                });
+        std::thread::scope(|scope| -> Result<()> {
+            let handles: Vec<_> = (0..workers)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut mine = Vec::new();
+                        loop {
+                            let l = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            if l >= cfg.n_layers {
+                                return mine;
+                            }
+                            let r = load_layer(l).and_then(|layer| layer.prepack().map(|_| layer));
+                            // Packed: what is still read of the originals comes back from the
+                            // page cache.
+                            release_prefix(&file, &format!("blk.{l}."));
+                            mine.push((l, r));
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                loaded.extend(
+                    h.join()
+                        .map_err(|_| Error::msg("loading a layer panicked"))?,
+                );
             }
-        });
-        let mut layers = Vec::with_capacity(cfg.n_layers);
-        for (l, slot) in slots.into_iter().enumerate() {
-            let r = slot
-                .into_inner()
-                .ok()
-                .flatten()
-                .unwrap_or_else(|| Err(Error::msg(format!("layer {l} did not load"))));
-            layers.push(r?);
-        }
+            Ok(())
+        })?;
+        loaded.sort_by_key(|&(l, _)| l);
+        let layers = loaded
+            .into_iter()
+            .map(|(_, r)| r)
+            .collect::<Result<Vec<Layer>>>()?;
         let ld = Loader {
             file: &file,
             device: on(offload.as_ref().is_some_and(|o| o.output)),
@@ -524,11 +525,10 @@ impl Forward for Qwen3 {
                 "logits asked for token {bad} of a batch of {n}"
             )));
         }
-        let mut data = vec![0f32; wanted.len() * cfg.vocab];
         if n == 0 {
             return Ok(Logits {
                 vocab: cfg.vocab,
-                data,
+                data: Vec::new(),
             });
         }
         if cache.device_layers() != self.gpu_layers() {
@@ -556,10 +556,32 @@ impl Forward for Qwen3 {
             })
             .collect();
 
+        let chunk = |start: usize, end: usize, wanted: Vec<usize>| Chunk {
+            tokens: &batch.tokens[start..end],
+            positions: &batch.positions[start..end],
+            slots: &slots[start..end],
+            visible: &visible[start..end],
+            wanted,
+        };
+        let as_vec = |t: Option<Tensor>| -> Result<Vec<f32>> {
+            Ok(match t {
+                Some(t) => t.flatten_all()?.to_vec1::<f32>()?,
+                None => Vec::new(),
+            })
+        };
+        if n <= self.ubatch {
+            // One chunk: its logits come out in the order asked for, no copy.
+            let data = as_vec(self.forward_chunk(&chunk(0, n, wanted), cache)?)?;
+            return Ok(Logits {
+                vocab: cfg.vocab,
+                data,
+            });
+        }
         // Chunks run through every layer in turn: a later chunk sees the entries an earlier
         // one wrote, an earlier one never sees later ones (its counts stop before them).
-        let mut start = 0;
-        while start < n {
+        let v = cfg.vocab;
+        let mut data = vec![0f32; wanted.len() * v];
+        for start in (0..n).step_by(self.ubatch) {
             let end = (start + self.ubatch).min(n);
             let mine: Vec<(usize, usize)> = wanted
                 .iter()
@@ -567,21 +589,11 @@ impl Forward for Qwen3 {
                 .filter(|&(_, &i)| (start..end).contains(&i))
                 .map(|(out, &i)| (out, i - start))
                 .collect();
-            let chunk = Chunk {
-                tokens: &batch.tokens[start..end],
-                positions: &batch.positions[start..end],
-                slots: &slots[start..end],
-                visible: &visible[start..end],
-                wanted: mine.iter().map(|&(_, i)| i).collect(),
-            };
-            if let Some(logits) = self.forward_chunk(&chunk, cache)? {
-                let logits = logits.flatten_all()?.to_vec1::<f32>()?;
-                let v = cfg.vocab;
-                for (j, &(out, _)) in mine.iter().enumerate() {
-                    data[out * v..(out + 1) * v].copy_from_slice(&logits[j * v..(j + 1) * v]);
-                }
+            let c = chunk(start, end, mine.iter().map(|&(_, i)| i).collect());
+            let logits = as_vec(self.forward_chunk(&c, cache)?)?;
+            for (j, &(out, _)) in mine.iter().enumerate() {
+                data[out * v..(out + 1) * v].copy_from_slice(&logits[j * v..(j + 1) * v]);
             }
-            start = end;
         }
         Ok(Logits {
             vocab: cfg.vocab,
