@@ -31,16 +31,7 @@ fn params() -> DecodeParams {
 fn cache_traffic_follows_new_and_committed_entries_not_the_prefix() {
     let dir = tempfile::tempdir().unwrap();
     let gguf = dir.path().join("a.gguf");
-    let o = run(&[
-        "convert",
-        fixture_model("pub-a").to_str().unwrap(),
-        "-o",
-        gguf.to_str().unwrap(),
-        "--outtype",
-        "f32",
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    convert_quiet(&fixture_model("pub-a"), &gguf, "f32");
     for offload in [
         None,
         Some(Offload {

@@ -25,16 +25,7 @@ fn the_cuda_build_falls_back_to_the_cpu_in_one_line() {
     let Some(cuda) = cuda_bin() else { return };
     let dir = tempfile::tempdir().unwrap();
     let gguf = dir.path().join("a.gguf");
-    let o = run(&[
-        "convert",
-        fixture_model("pub-a").to_str().unwrap(),
-        "-o",
-        gguf.to_str().unwrap(),
-        "--outtype",
-        "q8_0",
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    convert_quiet(&fixture_model("pub-a"), &gguf, "q8_0");
     let args = [
         "generate",
         "-m",

@@ -27,19 +27,6 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-fn convert_to(dir: &Path, out: &Path, outtype: &str) {
-    let o = run(&[
-        "convert",
-        dir.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-        "--outtype",
-        outtype,
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-}
-
 /// Builds the batch of a forward.json call: every row's tokens, row ids 0.., flat.
 fn batch_of(call: &Value) -> Batch {
     let mut b = Batch::default();
@@ -122,7 +109,7 @@ fn forward_matches_transformers_at_f32() {
     let tmp = tempfile::tempdir().unwrap();
     for name in ["pub-a", "pub-b", "pub-c"] {
         let out = tmp.path().join(format!("{name}.gguf"));
-        convert_to(&fixture_model(name), &out, "f32");
+        convert_quiet(&fixture_model(name), &out, "f32");
         let file = Arc::new(GgufFile::open(&out).unwrap());
         let model = Qwen3::load(file, &Device::Cpu).unwrap();
         for (call, worst, argmax) in run_calls(&model, &fw["models"][name], CacheType::F32, 1e-4) {
@@ -170,7 +157,7 @@ fn forward_with_f16_cache_and_quantized_weights_stays_close() {
         ("q8_0", CacheType::F32, 0.08),
     ] {
         let out = tmp.path().join(format!("{name}-{outtype}.gguf"));
-        convert_to(&fixture_model(name), &out, outtype);
+        convert_quiet(&fixture_model(name), &out, outtype);
         let model = Qwen3::load(Arc::new(GgufFile::open(&out).unwrap()), &Device::Cpu).unwrap();
         let calls = &fw["models"][name];
         let mut cache = KvCache::new(model.cache_shape(64), cache_type).unwrap();
@@ -196,7 +183,7 @@ fn forward_with_f16_cache_and_quantized_weights_stays_close() {
 fn logits_for_a_subset_and_full_context_error() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("a.gguf");
-    convert_to(&fixture_model("pub-a"), &out, "f32");
+    convert_quiet(&fixture_model("pub-a"), &out, "f32");
     let model = Qwen3::load(Arc::new(GgufFile::open(&out).unwrap()), &Device::Cpu).unwrap();
     let toks = [5u32, 9, 13, 200];
     let pos = [0u32, 1, 2, 3];

@@ -4,23 +4,10 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use common::*;
 use serde_json::Value;
-
-fn convert(dir: &Path, out: &Path, outtype: &str) {
-    let o = run(&[
-        "convert",
-        dir.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-        "--outtype",
-        outtype,
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-}
 
 fn json_of(o: &std::process::Output) -> Value {
     assert!(o.status.success(), "generate failed:\n{}", stderr(o));
@@ -36,7 +23,7 @@ fn golden_cases_through_the_command_line() {
     let mut files: HashMap<String, PathBuf> = HashMap::new();
     for name in ["pub-a", "pub-b", "pub-c"] {
         let out = tmp.path().join(format!("{name}.gguf"));
-        convert(&fixture_model(name), &out, "f32");
+        convert_quiet(&fixture_model(name), &out, "f32");
         files.insert(name.into(), out);
     }
     let cases = goldens["cases"].as_array().unwrap();
@@ -106,7 +93,7 @@ fn golden_cases_through_the_command_line() {
 fn parameter_and_prompt_errors() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("a.gguf");
-    convert(&fixture_model("pub-a"), &m, "q8_0");
+    convert_quiet(&fixture_model("pub-a"), &m, "q8_0");
     let m = m.to_str().unwrap();
     let cases: &[(&[&str], &[&str])] = &[
         (
@@ -166,7 +153,7 @@ fn text_prompts_through_the_chat_template_with_the_real_tokenizer() {
     let dir = tmp.path().join("refusion-tiny");
     build_refusion_vocab_checkpoint(&dir, TokLayout::Slow);
     let m = tmp.path().join("r.gguf");
-    convert(&dir, &m, "q8_0");
+    convert_quiet(&dir, &m, "q8_0");
     let m = m.to_str().unwrap();
     let reference =
         tokenizers::Tokenizer::from_file(fixtures().join("tokenizers/refusion/tokenizer.json"))

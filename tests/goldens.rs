@@ -81,16 +81,7 @@ fn check_every_case(offload: Option<Offload>, ubatch: Option<usize>) {
     let mut models = HashMap::new();
     for name in ["pub-a", "pub-b", "pub-c"] {
         let out = tmp.path().join(format!("{name}.gguf"));
-        let o = run(&[
-            "convert",
-            fixture_model(name).to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-            "--outtype",
-            "f32",
-            "-q",
-        ]);
-        assert!(o.status.success(), "{}", stderr(&o));
+        convert_quiet(&fixture_model(name), &out, "f32");
         let file = Arc::new(GgufFile::open(&out).unwrap());
         let mut model = Qwen3::load_offloaded(file, offload.clone()).unwrap();
         if let Some(n) = ubatch {

@@ -36,19 +36,6 @@ fn check(gguf: &Path, hf_dir: &Path) {
     assert!(String::from_utf8_lossy(&o.stdout).starts_with("OK"));
 }
 
-fn convert(dir: &Path, out: &Path, outtype: &str) {
-    let o = run(&[
-        "convert",
-        dir.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-        "--outtype",
-        outtype,
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-}
-
 #[test]
 fn gguf_py_reads_public_fixtures() {
     let tmp = tempfile::tempdir().unwrap();
@@ -59,7 +46,7 @@ fn gguf_py_reads_public_fixtures() {
         ("pub-a", "bf16"),
     ] {
         let out = tmp.path().join(format!("{name}-{outtype}.gguf"));
-        convert(&fixture_model(name), &out, outtype);
+        convert_quiet(&fixture_model(name), &out, outtype);
         check(&out, &fixture_model(name));
     }
 }
@@ -82,7 +69,7 @@ fn gguf_py_reads_every_type() {
         "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
     ] {
         let out = tmp.path().join(format!("{outtype}.gguf"));
-        convert(&dir, &out, outtype);
+        convert_quiet(&dir, &out, outtype);
         check(&out, &dir);
     }
 }

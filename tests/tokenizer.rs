@@ -24,19 +24,6 @@ const TEXTS: &[&str] = &[
     "",
 ];
 
-fn convert(dir: &Path, out: &Path) {
-    let o = run(&[
-        "convert",
-        dir.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-        "--outtype",
-        "q8_0",
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-}
-
 fn check(gguf: &Path, tokenizer_json: &Path) {
     let file = GgufFile::open(gguf).unwrap();
     let ours = Tokenizer::from_gguf(&file.header).unwrap();
@@ -58,7 +45,7 @@ fn real_refusion_tokenizer_round_trips_through_gguf() {
         let dir = tmp.path().join(format!("{layout:?}"));
         build_refusion_vocab_checkpoint(&dir, layout);
         let out = tmp.path().join(format!("{layout:?}.gguf"));
-        convert(&dir, &out);
+        convert_quiet(&dir, &out, "q8_0");
         check(&out, &fixtures().join("tokenizers/refusion/tokenizer.json"));
         let file = GgufFile::open(&out).unwrap();
         let t = Tokenizer::from_gguf(&file.header).unwrap();
@@ -76,7 +63,7 @@ fn fixture_tokenizers_round_trip_through_gguf() {
     let tmp = tempfile::tempdir().unwrap();
     for name in ["pub-a", "pub-b", "pub-c"] {
         let out = tmp.path().join(format!("{name}.gguf"));
-        convert(&fixture_model(name), &out);
+        convert_quiet(&fixture_model(name), &out, "q8_0");
         check(&out, &fixture_model(name).join("tokenizer.json"));
     }
 }

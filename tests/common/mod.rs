@@ -363,21 +363,26 @@ pub fn gguf_name(hf: &str) -> String {
     format!("blk.{layer}.{g}")
 }
 
+/// Converts the checkpoint folder `dir` to `out` as `outtype`, quietly; it must succeed.
+pub fn convert_quiet(dir: &Path, out: &Path, outtype: &str) {
+    let o = run(&[
+        "convert",
+        dir.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--outtype",
+        outtype,
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
 /// A tiny model with the real ReFusion vocabulary, converted to Q8_0 in `dir`.
 pub fn tiny_refusion_gguf(dir: &Path) -> PathBuf {
     let ckpt = dir.join("ckpt");
     build_refusion_vocab_checkpoint(&ckpt, TokLayout::Fast);
     let out = dir.join("tiny.gguf");
-    let o = run(&[
-        "convert",
-        ckpt.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-        "--outtype",
-        "q8_0",
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    convert_quiet(&ckpt, &out, "q8_0");
     out
 }
 
