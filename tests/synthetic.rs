@@ -45,7 +45,7 @@ fn a_synthetic_qwen3_0_6b_has_the_real_shapes_and_types_and_runs() {
     assert_ne!(logits.row(0), logits.row(2));
 
     // Weights read in place from the map and weights copied into memory (--no-mmap) give the
-    // same logits to the bit, for one row (candle's one-row kernels) and many (packed tiles).
+    // same logits to the bit, for one row (the direct kernels) and many (interleaved tiles).
     let copied = Qwen3::load_with(Arc::new(GgufFile::open(&out).unwrap()), None, false).unwrap();
     let tokens: Vec<u32> = (0..9).map(|i| 100 + i * 997).collect();
     let positions: Vec<u32> = (0..9).collect();

@@ -71,7 +71,7 @@ fn mixed_type(
     let layer = layer_of(name).unwrap_or(0);
     let n = shape.n_layers;
     if is_output {
-        return if ne0 % base.block_size() as u64 != 0 {
+        return if !ne0.is_multiple_of(base.block_size() as u64) {
             G::Q8_0
         } else if base != G::Q8_0 {
             G::Q6_K
@@ -117,7 +117,7 @@ fn mixed_type(
 /// IQ4_NL (for Q2_K/Q3_K), which candle cannot run, we use Q4_0 of the same block size; where
 /// llama.cpp gives up (a legacy type that does not fit), we use F16 as its HF converter does.
 fn fallback(ty: GgmlType, ne0: u64) -> (GgmlType, Option<String>) {
-    let fits = |t: GgmlType| ne0 % t.block_size() as u64 == 0;
+    let fits = |t: GgmlType| ne0.is_multiple_of(t.block_size() as u64);
     if fits(ty) {
         return (ty, None);
     }

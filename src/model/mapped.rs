@@ -54,7 +54,7 @@ impl<T: GgmlType + 'static> QuantizedType for MappedBlocks<T> {
 
     fn embedding(&self, ids: &[u32], rows: usize, hidden: usize) -> Result<CpuStorage> {
         let per_row = hidden / T::BLCK_SIZE;
-        if hidden % T::BLCK_SIZE != 0 || per_row * rows != self.len {
+        if !hidden.is_multiple_of(T::BLCK_SIZE) || per_row * rows != self.len {
             candle_core::bail!("embedding of {rows}x{hidden} over {} blocks", self.len)
         }
         let mut out = vec![0f32; ids.len() * hidden];
@@ -107,7 +107,9 @@ impl<T: GgmlType + 'static> QuantizedType for MappedBlocks<T> {
 fn blocks_of<T: GgmlType + 'static>(file: &Arc<GgufFile>, t: &TensorInfo) -> Option<QStorage> {
     let data = file.tensor_data(t);
     let size = std::mem::size_of::<T>();
-    if data.len() % size != 0 || (data.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+    if !data.len().is_multiple_of(size)
+        || !(data.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+    {
         return None;
     }
     Some(QStorage::Cpu(Box::new(MappedBlocks::<T> {

@@ -4,6 +4,8 @@
 pub mod attention;
 pub mod config;
 pub mod device_attention;
+pub mod kquants;
+mod linear;
 mod mapped;
 pub mod qwen3;
 

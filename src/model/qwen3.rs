@@ -14,12 +14,13 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use refusion_convert::gguf::{GgmlType, GgufFile, TensorInfo};
 use refusion_convert::quant;
 
 use super::attention::{attend, Visible};
 use super::device_attention::{self, DeviceVisibility};
+use super::linear::{self, Linear};
 use super::{Batch, Forward, Logits, Offload, Qwen3Config};
 use crate::error::{Error, Result};
 use crate::kv::{CacheShape, KvCache};
@@ -48,16 +49,16 @@ struct Layer {
     /// Where this layer's weights (and K/V) live.
     device: Device,
     attn_norm: Tensor,
-    attn_q: QMatMul,
-    attn_k: QMatMul,
-    attn_v: QMatMul,
-    attn_output: QMatMul,
+    attn_q: Linear,
+    attn_k: Linear,
+    attn_v: Linear,
+    attn_output: Linear,
     attn_q_norm: Tensor,
     attn_k_norm: Tensor,
     ffn_norm: Tensor,
-    ffn_gate: QMatMul,
-    ffn_up: QMatMul,
-    ffn_down: QMatMul,
+    ffn_gate: Linear,
+    ffn_up: Linear,
+    ffn_down: Linear,
 }
 
 pub struct Qwen3 {
@@ -70,7 +71,7 @@ pub struct Qwen3 {
     token_embd: TensorInfo,
     layers: Vec<Layer>,
     output_norm: Tensor,
-    output: QMatMul,
+    output: Linear,
     /// RoPE inverse frequencies, computed in f32 as transformers does.
     inv_freq: Vec<f32>,
     output_device: Device,
@@ -91,9 +92,20 @@ impl Loader<'_> {
             .ok_or_else(|| Error::msg(format!("tensor {name} is missing")))
     }
 
-    /// A weight matrix, copied once from the map into candle's storage.
-    fn matmul(&self, name: &str) -> Result<QMatMul> {
+    /// A weight matrix: Q4_K/Q6_K CPU weights run on our kernels (in the map, or copied with
+    /// `--no-mmap`); others are candle's (read in place from the map for its packing, or
+    /// copied).
+    fn matmul(&self, name: &str) -> Result<Linear> {
         let t = self.info(name)?;
+        if self.device.is_cpu() {
+            if let Some(l) = Linear::mapped(self.file, t, !self.mmap) {
+                return Ok(l);
+            }
+        }
+        self.candle_matmul(t).map(Linear::Candle)
+    }
+
+    fn candle_matmul(&self, t: &TensorInfo) -> Result<QMatMul> {
         let data = self.file.tensor_data(t);
         let dims: Vec<usize> = t.ne.iter().rev().map(|&d| d as usize).collect();
         if !t.ty.is_quantized() {
@@ -224,7 +236,7 @@ impl Qwen3 {
                             let r = load_layer(l).and_then(|layer| layer.prepack().map(|_| layer));
                             // Packed: what is still read of the originals comes back from the
                             // page cache.
-                            release_prefix(&file, &format!("blk.{l}."));
+                            release_prefix(&file, &format!("blk.{l}."), mmap);
                             mine.push((l, r));
                         }
                     })
@@ -255,7 +267,7 @@ impl Qwen3 {
             ld.matmul("output.weight")?
         };
         let output_device = ld.device;
-        prepack(&output)?;
+        output.prepack()?;
         release_prefix(
             &file,
             if cfg.tied_output {
@@ -263,6 +275,7 @@ impl Qwen3 {
             } else {
                 "output."
             },
+            mmap && output_device.is_cpu(),
         );
         let hd = cfg.head_dim;
         let inv_freq = (0..hd / 2)
@@ -377,28 +390,18 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 
 /// Drops this process's pages of the tensors whose names start with `prefix` (file-backed:
 /// a later read faults them back in from the page cache).
-fn release_prefix(file: &GgufFile, prefix: &str) {
+/// Drops the pages of the tensors under `prefix` from this process (they were copied or
+/// packed); with `keep_mapped`, those our kernels read in place stay.
+fn release_prefix(file: &GgufFile, prefix: &str, keep_mapped: bool) {
     for t in file
         .header
         .tensors
         .iter()
         .filter(|t| t.name.starts_with(prefix))
+        .filter(|t| !(keep_mapped && linear::runs_mapped(t)))
     {
         file.release(t, 0, t.n_bytes);
     }
-}
-
-/// Has candle build its repacked copy of a CPU weight now (it does so on first use): one
-/// small product, as the forward's shapes would (two rows: Q6_K packs only for several).
-fn prepack(m: &QMatMul) -> Result<()> {
-    if let QMatMul::QTensor(q) = m {
-        let packs = matches!(q.dtype(), GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q8_0);
-        if packs && q.device().is_cpu() {
-            let (_, k) = q.shape().dims2()?;
-            m.forward(&Tensor::zeros((2, k), DType::F32, &Device::Cpu)?)?;
-        }
-    }
-    Ok(())
 }
 
 impl Layer {
@@ -412,7 +415,7 @@ impl Layer {
             &self.ffn_up,
             &self.ffn_down,
         ] {
-            prepack(m)?;
+            m.prepack()?;
         }
         Ok(())
     }
@@ -420,8 +423,10 @@ impl Layer {
     /// The feed-forward half of the block, with its residual.
     fn ffn(&self, x: Tensor, eps: f64) -> Result<Tensor> {
         let h = rms_norm(&x, &self.ffn_norm, eps)?;
-        let gate = candle_nn::ops::silu(&self.ffn_gate.forward(&h)?)?;
-        let up = self.ffn_up.forward(&h)?;
+        let [gate, up]: [Tensor; 2] = Linear::forward_shared(&[&self.ffn_gate, &self.ffn_up], &h)?
+            .try_into()
+            .map_err(|_| Error::msg("gate and up"))?;
+        let gate = candle_nn::ops::silu(&gate)?;
         Ok((x + self.ffn_down.forward(&(gate * up)?)?)?)
     }
 }
@@ -458,9 +463,12 @@ impl Qwen3 {
         for (l, layer) in self.layers.iter().enumerate() {
             x = x.to_device(&layer.device)?;
             let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
-            let q = layer.attn_q.forward(&h)?.reshape((n, nh, hd))?;
-            let k = layer.attn_k.forward(&h)?.reshape((n, nkv, hd))?;
-            let v = layer.attn_v.forward(&h)?;
+            let [q, k, v]: [Tensor; 3] =
+                Linear::forward_shared(&[&layer.attn_q, &layer.attn_k, &layer.attn_v], &h)?
+                    .try_into()
+                    .map_err(|_| Error::msg("q, k and v"))?;
+            let q = q.reshape((n, nh, hd))?;
+            let k = k.reshape((n, nkv, hd))?;
             let q = rms_norm(&q, &layer.attn_q_norm, cfg.rms_eps)?;
             let k = rms_norm(&k, &layer.attn_k_norm, cfg.rms_eps)?;
             let a = match &vis {
