@@ -200,6 +200,8 @@ mod x86 {
     /// From this many activation rows on, a unit's blocks are first interleaved into
     /// [`Tile`]s (in cache) so that one `vpdpbusd` serves 16 weight rows.
     const TILE_MIN_M: usize = 4;
+    /// Activation rows per pass over a unit's tiles.
+    const TILE_MT: usize = 8;
 
     /// One block (256 values) of 16 weight rows, interleaved for `vpdpbusd` with a broadcast
     /// activation: `q[g]` holds values `4g..4g+4` (in [`Q8K`]'s stored order) of each row.
@@ -593,19 +595,19 @@ mod x86 {
         let tiles = &tiles[..kb];
         let mut t0 = 0;
         while t0 < m {
-            let mt = (m - t0).min(MT);
+            let mt = (m - t0).min(TILE_MT);
             let a = &acts[t0 * kb..(t0 + mt) * kb];
-            let mut res = [_mm512_setzero_ps(); MT];
-            match (w.ty, mt) {
-                (GgmlType::Q4_K, 1) => tiled_dot::<1, 8, 8>(tiles, a, kb, &mut res),
-                (GgmlType::Q4_K, 2) => tiled_dot::<2, 8, 8>(tiles, a, kb, &mut res),
-                (GgmlType::Q4_K, 3) => tiled_dot::<3, 8, 8>(tiles, a, kb, &mut res),
-                (GgmlType::Q4_K, _) => tiled_dot::<4, 8, 8>(tiles, a, kb, &mut res),
-                (_, 1) => tiled_dot::<1, 16, 4>(tiles, a, kb, &mut res),
-                (_, 2) => tiled_dot::<2, 16, 4>(tiles, a, kb, &mut res),
-                (_, 3) => tiled_dot::<3, 16, 4>(tiles, a, kb, &mut res),
-                (_, _) => tiled_dot::<4, 16, 4>(tiles, a, kb, &mut res),
+            let mut res = [_mm512_setzero_ps(); TILE_MT];
+            macro_rules! dot {
+                ($($n:literal)*) => {
+                    match (w.ty == GgmlType::Q4_K, mt) {
+                        $((true, $n) => tiled_dot::<$n, 8, 8>(tiles, a, kb, &mut res),
+                          (false, $n) => tiled_dot::<$n, 16, 4>(tiles, a, kb, &mut res),)*
+                        _ => unreachable!("mt is 1..=TILE_MT"),
+                    }
+                };
             }
+            dot!(1 2 3 4 5 6 7 8);
             for (t, v) in res[..mt].iter().enumerate() {
                 _mm512_storeu_ps(out.as_mut_ptr().add((t0 + t) * w.rows + r0), *v);
             }
@@ -621,7 +623,7 @@ mod x86 {
         tiles: &[Tile],
         acts: &[Q8K],
         kb: usize,
-        res: &mut [__m512; MT],
+        res: &mut [__m512; TILE_MT],
     ) {
         for (b, tile) in tiles.iter().enumerate() {
             let mut acc = [_mm512_setzero_ps(); N];
