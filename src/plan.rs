@@ -5,11 +5,11 @@
 
 use std::fmt;
 
-use refusion_convert::gguf::{GgmlType, GgufHeader};
+use refusion_convert::gguf::{GgmlType, GgufHeader, TensorInfo};
 use refusion_convert::info::human_bytes;
 
 use crate::kv::CacheType;
-use crate::model::Qwen3Config;
+use crate::model::{kquants, Qwen3Config};
 
 /// `-ngl`: how many layers go to the GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,7 +51,8 @@ pub struct ModelSizes {
     /// Bytes of each layer's weights (as stored, which is what a GPU holds).
     pub layer_weights: Vec<u64>,
     /// Extra host bytes per layer when it runs on the CPU: candle's x86 kernels keep a
-    /// repacked copy of Q4_K, Q6_K and Q8_0 weights beside the original.
+    /// repacked copy of Q4_K, Q6_K and Q8_0 weights beside the original (none for the
+    /// Q4_K/Q6_K weights our own kernels read in place, see `model::kquants`).
     pub layer_repack: Vec<u64>,
     /// The output layer (or the tied embedding it reuses) and the final norm.
     pub output_weights: u64,
@@ -66,8 +67,11 @@ pub struct ModelSizes {
     pub vocab: u64,
 }
 
-fn repacked(ty: GgmlType) -> bool {
-    cfg!(target_arch = "x86_64") && matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_0)
+fn repacked(t: &TensorInfo) -> bool {
+    let ours = kquants::supports(t.ty, t.ne.first().copied().unwrap_or(0) as usize);
+    cfg!(target_arch = "x86_64")
+        && !ours
+        && matches!(t.ty, GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_0)
 }
 
 impl ModelSizes {
@@ -81,7 +85,7 @@ impl ModelSizes {
             "output.weight"
         };
         for t in &header.tensors {
-            let extra = if repacked(t.ty) { t.n_bytes } else { 0 };
+            let extra = if repacked(t) { t.n_bytes } else { 0 };
             let layer = refusion_convert::names::layer_of(&t.name).filter(|&l| l < cfg.n_layers);
             if let Some(l) = layer {
                 layer_weights[l] += t.n_bytes;
