@@ -1,4 +1,4 @@
-//! Our Q4_K/Q6_K kernels (weights in place) against candle's repacked ones, one weight matrix
+//! Our Q4_K/Q6_K kernels against candle's, one weight matrix
 //! at a time: `cargo bench --bench kquants [-- q6k [ROWS [K]]]`. The matrix (7 MB at the
 //! default 6144 x 2048) fits in a large L3, so this measures compute, not memory traffic: the
 //! whole-model figures come from `refusion bench`.
@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
-use refusion::model::kquants::{self, matmul_many, KQuantWeight};
+use refusion::model::kquants::{self, matmul_many, PackedMatrix};
 use refusion_convert::gguf::GgmlType;
 
 fn main() -> candle_core::Result<()> {
@@ -36,19 +36,14 @@ fn main() -> candle_core::Result<()> {
     refusion_convert::quant::quantize(ty, &wf, k, &mut data);
     let storage = QStorage::from_data(Cow::Borrowed(&data), &Device::Cpu, dtype)?;
     let candle = QMatMul::from_arc(Arc::new(QTensor::new(storage, (n, k))?))?;
-    let ours = || KQuantWeight {
-        ty,
-        rows: n,
-        k,
-        data: &data,
-    };
+    let ours = PackedMatrix::pack(ty, n, k, &data);
     println!("{ty} {n}x{k}, {} threads", rayon::current_num_threads());
     for m in [1usize, 2, 4, 16, 32, 64, 256] {
         let x: Vec<f32> = (0..m * k).map(|_| rand()).collect();
         let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu)?;
         let want: Vec<f32> = candle.forward(&xt)?.flatten_all()?.to_vec1()?;
         let mut out = vec![0f32; m * n];
-        matmul_many(&[ours()], &x, m, &mut [&mut out]);
+        matmul_many(&[&ours], &x, m, &mut [&mut out]);
         let diff = want
             .iter()
             .zip(&out)
@@ -62,7 +57,7 @@ fn main() -> candle_core::Result<()> {
         let t_candle = t.elapsed().as_secs_f64() / reps as f64;
         let t = Instant::now();
         for _ in 0..reps {
-            matmul_many(&[ours()], &x, m, &mut [&mut out]);
+            matmul_many(&[&ours], &x, m, &mut [&mut out]);
         }
         let t_ours = t.elapsed().as_secs_f64() / reps as f64;
         println!(

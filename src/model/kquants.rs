@@ -112,6 +112,7 @@ pub fn available() -> bool {
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
         })
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -123,12 +124,75 @@ pub fn supports(ty: GgmlType, k: usize) -> bool {
     matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) && k > 0 && k.is_multiple_of(QK) && available()
 }
 
-/// A quantized weight matrix of `rows` rows of `k` values, its blocks in row-major order.
-pub struct KQuantWeight<'a> {
+/// 64 bytes, aligned: the unit packed tiles are stored in.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u8; 64]);
+
+/// A Q4_K/Q6_K weight matrix (`rows x k`) repacked for these kernels: each run of 16 rows is
+/// interleaved block by block (as many bytes as the file's blocks, give or take 6%), so one
+/// `vpdpbusd` multiplies 16 rows; the last `rows % 16` rows keep the file's blocks.
+pub struct PackedMatrix {
     pub ty: GgmlType,
     pub rows: usize,
     pub k: usize,
-    pub data: &'a [u8],
+    /// `[run of 16 rows][block]` tiles of `tile_lines(ty)` lines each.
+    tiles: Vec<Line>,
+    /// The file's blocks of the rows after the last full run.
+    tail: Vec<u8>,
+}
+
+impl PackedMatrix {
+    /// Repacks `data`, the file's blocks of a `rows x k` matrix of type `ty` (`supports`
+    /// checked by the caller; `data` holds exactly `rows * k / 256` blocks).
+    pub fn pack(ty: GgmlType, rows: usize, k: usize, data: &[u8]) -> PackedMatrix {
+        let kb = k / QK;
+        let bb = block_bytes(ty);
+        assert!(supports(ty, k) && data.len() == rows * kb * bb);
+        let runs = rows / ROWS_PER_UNIT;
+        let lines = tile_lines(ty);
+        let mut tiles = vec![Line([0; 64]); runs * kb * lines];
+        #[cfg(target_arch = "x86_64")]
+        for (i, tile) in tiles.chunks_exact_mut(lines).enumerate() {
+            let (run, b) = (i / kb, i % kb);
+            // SAFETY: `supports` checked the CPU features; a tile is `lines` 64-byte lines.
+            unsafe {
+                let bytes =
+                    std::slice::from_raw_parts_mut(tile.as_mut_ptr() as *mut u8, lines * 64);
+                x86::pack_tile(ty, data, run * ROWS_PER_UNIT, b, kb, bytes)
+            };
+        }
+        PackedMatrix {
+            ty,
+            rows,
+            k,
+            tiles,
+            tail: data[runs * ROWS_PER_UNIT * kb * bb..].to_vec(),
+        }
+    }
+
+    /// Bytes held.
+    pub fn size(&self) -> usize {
+        self.tiles.len() * 64 + self.tail.len()
+    }
+
+    /// The tiles of run `run` (rows `16 run .. 16 run + 16`), block after block.
+    fn run_tiles(&self, run: usize) -> &[u8] {
+        let n = self.k / QK * tile_lines(self.ty);
+        let lines = &self.tiles[run * n..(run + 1) * n];
+        // SAFETY: `Line` is 64 plain bytes.
+        unsafe { std::slice::from_raw_parts(lines.as_ptr() as *const u8, n * 64) }
+    }
+}
+
+/// 64-byte lines per tile (16 rows x one block).
+fn tile_lines(ty: GgmlType) -> usize {
+    match ty {
+        // quants 2048, scales and minimums 2 x 128, d and dmin 2 x 64
+        GgmlType::Q4_K => 38,
+        // low bits 2048, high bits 1024, scales 256, d 64
+        _ => 53,
+    }
 }
 
 thread_local! {
@@ -138,22 +202,21 @@ thread_local! {
 
 /// `out[t][r] = sum_i x[t][i] * w[r][i]` for every weight in `ws` (all `k` wide), sharing one
 /// quantization of `x` (`m` rows of `k`). `outs[j]` holds `m x ws[j].rows` values.
-/// The caller has checked [`supports`] for each weight and the buffer sizes.
-pub fn matmul_many(ws: &[KQuantWeight<'_>], x: &[f32], m: usize, outs: &mut [&mut [f32]]) {
+pub fn matmul_many(ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32]]) {
     let Some(k) = ws.first().map(|w| w.k) else {
         return;
     };
     assert!(x.len() == m * k && ws.len() == outs.len());
     for (w, o) in ws.iter().zip(outs.iter()) {
         assert!(w.k == k && o.len() == m * w.rows);
-        assert!(w.data.len() == w.rows * (k / QK) * block_bytes(w.ty));
     }
     ACTS.with_borrow_mut(|acts| {
         quantize_rows(x, k, acts);
         #[cfg(target_arch = "x86_64")]
         {
             let acts: &[Q8K] = acts;
-            // Units: runs of weight rows, over all weights, each with every activation row.
+            // Units: runs of 16 weight rows (and a last shorter one), over all weights, each
+            // with every activation row.
             let mut starts = Vec::with_capacity(ws.len() + 1);
             let mut units = 0;
             for w in ws {
@@ -168,15 +231,14 @@ pub fn matmul_many(ws: &[KQuantWeight<'_>], x: &[f32], m: usize, outs: &mut [&mu
             candle_core::utils::barrier_pool().execute_chunked(units, |range| {
                 for unit in range {
                     let j = starts.partition_point(|&s| s <= unit) - 1;
-                    let w = &ws[j];
-                    let r0 = (unit - starts[j]) * ROWS_PER_UNIT;
-                    let r1 = (r0 + ROWS_PER_UNIT).min(w.rows);
-                    // SAFETY: units write disjoint rows `r0..r1` of each token's output of
-                    // weight `j`, which the caller's `&mut` lends for this call.
+                    let w = ws[j];
+                    let run = unit - starts[j];
+                    // SAFETY: units write disjoint rows `16 run ..` of each token's output
+                    // of weight `j`, which the caller's `&mut` lends for this call.
                     let out =
                         unsafe { std::slice::from_raw_parts_mut(outs[j].0 as *mut f32, outs[j].1) };
-                    // SAFETY: `available()` checked the CPU features (via `supports`).
-                    unsafe { x86::rows(w, acts, m, r0..r1, out) };
+                    // SAFETY: `PackedMatrix::pack` checked the CPU features (`supports`).
+                    unsafe { x86::run(w, acts, m, run, out) };
                 }
             });
         }
@@ -193,58 +255,57 @@ fn block_bytes(ty: GgmlType) -> usize {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{block_bytes, KQuantWeight, MT, Q8K, QK, ROWS_PER_UNIT};
+    use super::{block_bytes, stored_at, tile_lines, PackedMatrix, MT, Q8K, QK, ROWS_PER_UNIT};
     use refusion_convert::gguf::GgmlType;
     use std::arch::x86_64::*;
 
-    /// From this many activation rows on, a unit's blocks are first interleaved into
-    /// [`Tile`]s (in cache) so that one `vpdpbusd` serves 16 weight rows.
-    const TILE_MIN_M: usize = 4;
-    /// Activation rows per pass over a unit's tiles.
+    /// Activation rows per pass over a run's tiles.
     const TILE_MT: usize = 8;
 
-    /// One block (256 values) of 16 weight rows, interleaved for `vpdpbusd` with a broadcast
-    /// activation: `q[g]` holds values `4g..4g+4` (in [`Q8K`]'s stored order) of each row.
-    /// `sc[c]` scales the integer sums of stored chunk `c` (32 values for Q4_K, 16 for
-    /// Q6_K); `corr[s]` multiplies the activation sum of natural sub-block `s`, subtracted.
-    #[repr(C, align(64))]
-    struct Tile {
-        q: [[u8; 64]; 64],
-        sc: [[f32; 16]; 16],
-        corr: [[f32; 16]; 16],
-    }
-
-    thread_local! {
-        /// A worker's interleaved blocks of its current unit (reused between products).
-        static TILES: std::cell::RefCell<Vec<Tile>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-
-    fn vnni() -> bool {
-        use std::sync::OnceLock;
-        static OK: OnceLock<bool> = OnceLock::new();
-        *OK.get_or_init(|| is_x86_feature_detected!("avx512vnni"))
-    }
-
-    /// Rows `rows` of `w` against every activation row, into `out` (`m x w.rows`).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn rows(
-        w: &KQuantWeight<'_>,
+    /// Run `run` of `w` (16 rows, or the tail's rows) against every activation row, into
+    /// `out` (`m x w.rows`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn run(
+        w: &PackedMatrix,
         acts: &[Q8K],
         m: usize,
-        rows: std::ops::Range<usize>,
+        run: usize,
         out: &mut [f32],
     ) {
         let kb = w.k / QK;
-        if m >= TILE_MIN_M && rows.len() == ROWS_PER_UNIT && vnni() {
-            TILES.with_borrow_mut(|tiles| tiled(w, acts, m, rows.start, kb, tiles, out));
+        let r0 = run * ROWS_PER_UNIT;
+        if r0 + ROWS_PER_UNIT <= w.rows {
+            let tiles = w.run_tiles(run);
+            let tile_bytes = tile_lines(w.ty) * 64;
+            let mut t0 = 0;
+            while t0 < m {
+                let mt = (m - t0).min(TILE_MT);
+                let a = &acts[t0 * kb..(t0 + mt) * kb];
+                let mut res = [_mm512_setzero_ps(); TILE_MT];
+                macro_rules! dot {
+                    ($($n:literal)*) => {
+                        match (w.ty == GgmlType::Q4_K, mt) {
+                            $((true, $n) => packed_q4k::<$n>(tiles, tile_bytes, a, kb, &mut res),
+                              (false, $n) => packed_q6k::<$n>(tiles, tile_bytes, a, kb, &mut res),)*
+                            _ => unreachable!("mt is 1..=TILE_MT"),
+                        }
+                    };
+                }
+                dot!(1 2 3 4 5 6 7 8);
+                for (t, v) in res[..mt].iter().enumerate() {
+                    _mm512_storeu_ps(out.as_mut_ptr().add((t0 + t) * w.rows + r0), *v);
+                }
+                t0 += mt;
+            }
             return;
         }
+        // The tail: the file's blocks, one row at a time.
         let row_bytes = kb * block_bytes(w.ty);
         let mut t0 = 0;
         while t0 < m {
             let mt = (m - t0).min(MT);
-            for r in rows.clone() {
-                let row = &w.data[r * row_bytes..(r + 1) * row_bytes];
+            for r in r0..w.rows {
+                let row = &w.tail[(r - r0) * row_bytes..(r - r0 + 1) * row_bytes];
                 let a = &acts[t0 * kb..(t0 + mt) * kb];
                 let mut res = [0f32; MT];
                 match (w.ty, mt) {
@@ -518,140 +579,198 @@ mod x86 {
         }
     }
 
-    /// Interleaves block `b` of rows `r0..r0+16` into `tile`.
+    /// Packs block `b` of rows `r0..r0+16` of the file's blocks `data` into `tile`.
+    ///
+    /// Q4_K: `[0, 2048)` quants, 64 bytes per pair of four-value groups `(2p, 2p+1)` (in
+    /// [`Q8K`]'s stored order): byte `4r + j` is row `r`'s value `8p + j` in its low nibble and
+    /// `8p + 4 + j` in its high one; `[2048, 2176)` the 6-bit scale of each stored 32-value
+    /// chunk, `[c][row]`; `[2176, 2304)` the minimums per natural sub-block, `[s][row]`;
+    /// then `d` and `dmin` as 16 f32 each.
+    /// Q6_K: `[0, 2048)` the low four bits as Q4_K's quants; `[2048, 3072)` the top two bits,
+    /// 64 bytes per four groups `4q..4q+4` (group `4q + i` in bits `2i, 2i+1`); `[3072, 3328)`
+    /// the i8 scale of each stored 16-value chunk, `[c][row]`; then `d` as 16 f32.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn build_tile(w: &KQuantWeight<'_>, r0: usize, b: usize, kb: usize, tile: &mut Tile) {
-        let bb = block_bytes(w.ty);
-        let blk = |r: usize| &w.data[((r0 + r) * kb + b) * bb..][..bb];
+    pub(super) unsafe fn pack_tile(
+        ty: GgmlType,
+        data: &[u8],
+        r0: usize,
+        b: usize,
+        kb: usize,
+        tile: &mut [u8],
+    ) {
+        let bb = block_bytes(ty);
         let mut quants = [[_mm512_setzero_si512(); 4]; 16];
-        // Per row, its chunk scales and correction factors as one vector each; transposed
-        // below into per-chunk vectors over the 16 rows.
-        let mut sc = [_mm512_setzero_si512(); 16];
-        let mut corr = [_mm512_setzero_si512(); 16];
         for (r, q) in quants.iter_mut().enumerate() {
-            let blk = blk(r);
-            if w.ty == GgmlType::Q4_K {
+            let blk = &data[((r0 + r) * kb + b) * bb..][..bb];
+            if ty == GgmlType::Q4_K {
                 *q = q4k_quants(blk);
-                let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
-                let (s8, m8) = q4k_scales(blk);
-                // Stored chunk c holds natural sub-block [0, 2, 1, 3][c % 4] + c / 4 * 4.
-                let s8 = _mm_shuffle_epi8(
-                    _mm_set_epi64x(0, s8 as i64),
-                    _mm_set_epi8(15, 14, 13, 12, 11, 10, 9, 8, 7, 5, 6, 4, 3, 1, 2, 0),
-                );
-                let s32 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8));
-                let m32 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(0, m8 as i64)));
-                sc[r] = _mm512_castps_si512(_mm512_mul_ps(s32, _mm512_set1_ps(d)));
-                corr[r] = _mm512_castps_si512(_mm512_mul_ps(m32, _mm512_set1_ps(dmin)));
+                let (sc, mn) = q4k_scales(blk);
+                for c in 0..8 {
+                    tile[2048 + 16 * c + r] = (sc >> (8 * (stored_at(32 * c) / 32))) as u8;
+                    tile[2176 + 16 * c + r] = (mn >> (8 * c)) as u8;
+                }
+                tile[2304 + 4 * r..2308 + 4 * r].copy_from_slice(&f16_at(blk, 0).to_le_bytes());
+                tile[2368 + 4 * r..2372 + 4 * r].copy_from_slice(&f16_at(blk, 2).to_le_bytes());
             } else {
                 *q = q6k_quants(blk);
-                let d = f16_at(blk, 208);
-                let s32 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                    blk.as_ptr().add(192) as *const _,
-                )));
-                // Stored chunk c holds natural sub-block stored_at(16 c) / 16.
-                let order = _mm512_set_epi32(15, 14, 11, 10, 13, 12, 9, 8, 7, 6, 3, 2, 5, 4, 1, 0);
-                let stored = _mm512_permutexvar_ps(order, s32);
-                sc[r] = _mm512_castps_si512(_mm512_mul_ps(stored, _mm512_set1_ps(d)));
-                corr[r] = _mm512_castps_si512(_mm512_mul_ps(s32, _mm512_set1_ps(32.0 * d)));
+                for c in 0..16 {
+                    tile[3072 + 16 * c + r] = blk[192 + stored_at(16 * c) / 16];
+                }
+                tile[3328 + 4 * r..3332 + 4 * r].copy_from_slice(&f16_at(blk, 208).to_le_bytes());
             }
         }
-        transpose16(&mut sc);
-        transpose16(&mut corr);
-        for c in 0..16 {
-            _mm512_store_si512(tile.sc[c].as_mut_ptr() as *mut _, sc[c]);
-            _mm512_store_si512(tile.corr[c].as_mut_ptr() as *mut _, corr[c]);
-        }
-        for (j, groups) in tile.q.chunks_exact_mut(16).enumerate() {
-            let mut rows: [__m512i; 16] = std::array::from_fn(|r| quants[r][j]);
-            transpose16(&mut rows);
-            for (g, v) in groups.iter_mut().zip(&rows) {
-                _mm512_store_si512(g.as_mut_ptr() as *mut _, *v);
+        let nib = _mm512_set1_epi8(0x0f);
+        let two = _mm512_set1_epi8(0x03);
+        let out = tile.as_mut_ptr();
+        for j in 0..4 {
+            // Groups 16j .. 16j + 16, each 16 rows x 4 values.
+            let mut g = [_mm512_setzero_si512(); 16];
+            for (r, q) in quants.iter().enumerate() {
+                g[r] = q[j];
+            }
+            transpose16(&mut g);
+            for i in 0..8 {
+                let lo = _mm512_and_si512(g[2 * i], nib);
+                let hi = _mm512_and_si512(g[2 * i + 1], nib);
+                let v = _mm512_or_si512(lo, _mm512_slli_epi16::<4>(hi));
+                _mm512_storeu_si512(out.add(64 * (8 * j + i)) as *mut _, v);
+            }
+            if ty == GgmlType::Q6_K {
+                for q in 0..4 {
+                    let top =
+                        |i: usize| _mm512_and_si512(_mm512_srli_epi16::<4>(g[4 * q + i]), two);
+                    let h = _mm512_or_si512(
+                        _mm512_or_si512(top(0), _mm512_slli_epi16::<2>(top(1))),
+                        _mm512_or_si512(
+                            _mm512_slli_epi16::<4>(top(2)),
+                            _mm512_slli_epi16::<6>(top(3)),
+                        ),
+                    );
+                    _mm512_storeu_si512(out.add(2048 + 64 * (4 * j + q)) as *mut _, h);
+                }
             }
         }
     }
 
-    /// Rows `r0..r0+16` against all `m` activation rows through interleaved tiles.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn tiled(
-        w: &KQuantWeight<'_>,
-        acts: &[Q8K],
-        m: usize,
-        r0: usize,
-        kb: usize,
-        tiles: &mut Vec<Tile>,
-        out: &mut [f32],
-    ) {
-        if tiles.len() < kb {
-            tiles.resize_with(kb, || Tile {
-                q: [[0; 64]; 64],
-                sc: [[0.0; 16]; 16],
-                corr: [[0.0; 16]; 16],
-            });
-        }
-        for (b, tile) in tiles[..kb].iter_mut().enumerate() {
-            build_tile(w, r0, b, kb, tile);
-        }
-        let tiles = &tiles[..kb];
-        let mut t0 = 0;
-        while t0 < m {
-            let mt = (m - t0).min(TILE_MT);
-            let a = &acts[t0 * kb..(t0 + mt) * kb];
-            let mut res = [_mm512_setzero_ps(); TILE_MT];
-            macro_rules! dot {
-                ($($n:literal)*) => {
-                    match (w.ty == GgmlType::Q4_K, mt) {
-                        $((true, $n) => tiled_dot::<$n, 8, 8>(tiles, a, kb, &mut res),
-                          (false, $n) => tiled_dot::<$n, 16, 4>(tiles, a, kb, &mut res),)*
-                        _ => unreachable!("mt is 1..=TILE_MT"),
-                    }
-                };
-            }
-            dot!(1 2 3 4 5 6 7 8);
-            for (t, v) in res[..mt].iter().enumerate() {
-                _mm512_storeu_ps(out.as_mut_ptr().add((t0 + t) * w.rows + r0), *v);
-            }
-            t0 += mt;
-        }
+    #[inline(always)]
+    unsafe fn bcast(a: &Q8K, at: usize) -> __m512i {
+        _mm512_set1_epi32(std::ptr::read_unaligned(a.qs.as_ptr().add(at) as *const i32))
     }
 
-    /// 16 interleaved rows dotted with `N` activation rows: `NS` scale chunks of `CH`
-    /// four-value groups per block.
+    #[inline(always)]
+    unsafe fn f32x16(tile: *const u8, at: usize) -> __m512 {
+        _mm512_loadu_ps(tile.add(at) as *const f32)
+    }
+
+    /// 16 packed Q4_K rows dotted with `N` activation rows, accumulated into `res`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn tiled_dot<const N: usize, const NS: usize, const CH: usize>(
-        tiles: &[Tile],
+    unsafe fn packed_q4k<const N: usize>(
+        tiles: &[u8],
+        tile_bytes: usize,
         acts: &[Q8K],
         kb: usize,
         res: &mut [__m512; TILE_MT],
     ) {
-        for (b, tile) in tiles.iter().enumerate() {
+        let nib = _mm512_set1_epi8(0x0f);
+        for b in 0..kb {
+            let tile = tiles.as_ptr().add(b * tile_bytes);
+            let d = f32x16(tile, 2304);
+            let dmin = f32x16(tile, 2368);
             let mut acc = [_mm512_setzero_ps(); N];
-            for c in 0..NS {
+            for c in 0..8 {
                 let mut isum = [_mm512_setzero_si512(); N];
-                for g in c * CH..(c + 1) * CH {
-                    let wq = _mm512_load_si512(tile.q[g].as_ptr() as *const _);
+                for p in 4 * c..4 * c + 4 {
+                    let q = _mm512_load_si512(tile.add(64 * p) as *const _);
+                    let lo = _mm512_and_si512(q, nib);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), nib);
                     for t in 0..N {
-                        let ap = acts[t * kb + b].qs.as_ptr().add(4 * g);
-                        let av = _mm512_set1_epi32(std::ptr::read_unaligned(ap as *const i32));
-                        isum[t] = _mm512_dpbusd_epi32(isum[t], wq, av);
+                        let a = &acts[t * kb + b];
+                        isum[t] = _mm512_dpbusd_epi32(isum[t], lo, bcast(a, 8 * p));
+                        isum[t] = _mm512_dpbusd_epi32(isum[t], hi, bcast(a, 8 * p + 4));
                     }
                 }
-                let sc = _mm512_load_ps(tile.sc[c].as_ptr());
+                let sc = _mm_loadu_si128(tile.add(2048 + 16 * c) as *const _);
+                let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)), d);
                 for t in 0..N {
                     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), sc, acc[t]);
                 }
             }
-            for s in 0..NS {
-                let corr = _mm512_load_ps(tile.corr[s].as_ptr());
+            for s in 0..8 {
+                let mn = _mm_loadu_si128(tile.add(2176 + 16 * s) as *const _);
+                let mn = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)), dmin);
                 for t in 0..N {
                     let a = &acts[t * kb + b];
-                    let sums = if NS == 8 {
-                        &a.fsum32[..]
-                    } else {
-                        &a.fsum16[..]
-                    };
-                    acc[t] = _mm512_fnmadd_ps(corr, _mm512_set1_ps(sums[s]), acc[t]);
+                    acc[t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.fsum32[s]), acc[t]);
+                }
+            }
+            for t in 0..N {
+                res[t] = _mm512_fmadd_ps(acc[t], _mm512_set1_ps(acts[t * kb + b].d), res[t]);
+            }
+        }
+    }
+
+    /// 16 packed Q6_K rows dotted with `N` activation rows, accumulated into `res`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn packed_q6k<const N: usize>(
+        tiles: &[u8],
+        tile_bytes: usize,
+        acts: &[Q8K],
+        kb: usize,
+        res: &mut [__m512; TILE_MT],
+    ) {
+        let nib = _mm512_set1_epi8(0x0f);
+        let two = _mm512_set1_epi8(0x03);
+        for b in 0..kb {
+            let tile = tiles.as_ptr().add(b * tile_bytes);
+            let d = f32x16(tile, 3328);
+            let mut acc = [_mm512_setzero_ps(); N];
+            for c in 0..16 {
+                let l0 = _mm512_load_si512(tile.add(64 * (2 * c)) as *const _);
+                let l1 = _mm512_load_si512(tile.add(64 * (2 * c + 1)) as *const _);
+                let h = _mm512_load_si512(tile.add(2048 + 64 * c) as *const _);
+                let h1 = _mm512_srli_epi16::<2>(h);
+                let h2 = _mm512_srli_epi16::<4>(h);
+                let h3 = _mm512_srli_epi16::<6>(h);
+                let w = [
+                    _mm512_or_si512(
+                        _mm512_and_si512(l0, nib),
+                        _mm512_slli_epi16::<4>(_mm512_and_si512(h, two)),
+                    ),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(l0), nib),
+                        _mm512_slli_epi16::<4>(_mm512_and_si512(h1, two)),
+                    ),
+                    _mm512_or_si512(
+                        _mm512_and_si512(l1, nib),
+                        _mm512_slli_epi16::<4>(_mm512_and_si512(h2, two)),
+                    ),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(l1), nib),
+                        _mm512_slli_epi16::<4>(_mm512_and_si512(h3, two)),
+                    ),
+                ];
+                let sc = _mm_loadu_si128(tile.add(3072 + 16 * c) as *const _);
+                let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), d);
+                for t in 0..N {
+                    let a = &acts[t * kb + b];
+                    let mut isum = _mm512_setzero_si512();
+                    for (i, w) in w.iter().enumerate() {
+                        isum = _mm512_dpbusd_epi32(isum, *w, bcast(a, 16 * c + 4 * i));
+                    }
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[t]);
+                }
+            }
+            // The +32 offset, per natural 16-value sub-block s (stored chunk stored_at(16 s) / 16).
+            let d32 = _mm512_mul_ps(d, _mm512_set1_ps(32.0));
+            for s in 0..16 {
+                let c = stored_at(16 * s) / 16;
+                let sc = _mm_loadu_si128(tile.add(3072 + 16 * c) as *const _);
+                let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), d32);
+                for t in 0..N {
+                    let a = &acts[t * kb + b];
+                    acc[t] = _mm512_fnmadd_ps(sc, _mm512_set1_ps(a.fsum16[s]), acc[t]);
                 }
             }
             for t in 0..N {
@@ -695,14 +814,9 @@ mod tests {
         let mut acts = Vec::new();
         quantize_rows(&x, k, &mut acts);
         let xd = dequantized_acts(&acts);
-        let w = KQuantWeight {
-            ty,
-            rows,
-            k,
-            data: &data,
-        };
+        let w = PackedMatrix::pack(ty, rows, k, &data);
         let mut out = vec![0f32; m * rows];
-        matmul_many(&[w], &x, m, &mut [&mut out]);
+        matmul_many(&[&w], &x, m, &mut [&mut out]);
         for t in 0..m {
             for r in 0..rows {
                 let want: f64 = (0..k)
@@ -782,23 +896,13 @@ mod tests {
         };
         let a = mk(GgmlType::Q4_K, 20, &mut seed);
         let b = mk(GgmlType::Q6_K, 33, &mut seed);
-        let wa = || KQuantWeight {
-            ty: GgmlType::Q4_K,
-            rows: 20,
-            k,
-            data: &a,
-        };
-        let wb = || KQuantWeight {
-            ty: GgmlType::Q6_K,
-            rows: 33,
-            k,
-            data: &b,
-        };
+        let wa = PackedMatrix::pack(GgmlType::Q4_K, 20, k, &a);
+        let wb = PackedMatrix::pack(GgmlType::Q6_K, 33, k, &b);
         let (mut oa, mut ob) = (vec![0f32; 3 * 20], vec![0f32; 3 * 33]);
-        matmul_many(&[wa(), wb()], &x, 3, &mut [&mut oa, &mut ob]);
+        matmul_many(&[&wa, &wb], &x, 3, &mut [&mut oa, &mut ob]);
         let (mut sa, mut sb) = (vec![0f32; 3 * 20], vec![0f32; 3 * 33]);
-        matmul_many(&[wa()], &x, 3, &mut [&mut sa]);
-        matmul_many(&[wb()], &x, 3, &mut [&mut sb]);
+        matmul_many(&[&wa], &x, 3, &mut [&mut sa]);
+        matmul_many(&[&wb], &x, 3, &mut [&mut sb]);
         assert_eq!(oa, sa);
         assert_eq!(ob, sb);
     }

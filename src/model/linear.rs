@@ -1,80 +1,37 @@
-//! A weight matrix applied as `x · Wᵀ`: read in place from the GGUF map by our K-quant
-//! kernels ([`super::kquants`]) where the CPU and the type allow, else through candle.
-
-use std::sync::Arc;
+//! A weight matrix applied as `x · Wᵀ`: repacked at load for our K-quant kernels
+//! ([`super::kquants`]) where the CPU and the type allow, else through candle.
 
 use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Device, Module, Tensor};
-use refusion_convert::gguf::{GgmlType, GgufFile, TensorInfo};
+use refusion_convert::gguf::{GgufFile, TensorInfo};
 
-use super::kquants::{self, KQuantWeight};
+use super::kquants::{self, PackedMatrix};
 use crate::error::{Error, Result};
 
 pub enum Linear {
-    /// Q4_K/Q6_K blocks multiplied where they lie: in the map, or (`--no-mmap`) in a copy.
-    Mapped {
-        blocks: Blocks,
-        ty: GgmlType,
-        rows: usize,
-        k: usize,
-    },
+    /// Q4_K/Q6_K weights repacked for our kernels (the map's pages released).
+    Packed(PackedMatrix),
     /// Anything else: candle's quantized or float matmul, on any device.
     Candle(QMatMul),
 }
 
-/// Where a weight's blocks are.
-pub enum Blocks {
-    Map(Arc<GgufFile>, TensorInfo),
-    Copy(Vec<u8>),
-}
-
-impl Blocks {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Blocks::Map(file, info) => file.tensor_data(info),
-            Blocks::Copy(v) => v,
-        }
-    }
-}
-
 impl Linear {
-    /// The map's tensor `info` (`rows x k`), when it runs on our kernels: read in place, or
-    /// copied out of the map when `copy`.
-    pub fn mapped(file: &Arc<GgufFile>, info: &TensorInfo, copy: bool) -> Option<Linear> {
+    /// The map's tensor `info`, repacked for our kernels when they run it.
+    pub fn packed(file: &GgufFile, info: &TensorInfo) -> Option<Linear> {
         let [k, rows] = info.ne[..] else {
             return None;
         };
-        if !runs_mapped(info) {
+        if !runs_packed(info) {
             return None;
         }
-        let blocks = if copy {
-            let v = file.tensor_data(info).to_vec();
-            file.release(info, 0, info.n_bytes);
-            Blocks::Copy(v)
-        } else {
-            Blocks::Map(file.clone(), info.clone())
-        };
-        Some(Linear::Mapped {
-            blocks,
-            ty: info.ty,
-            rows: rows as usize,
-            k: k as usize,
-        })
+        let (rows, k) = (rows as usize, k as usize);
+        let packed = PackedMatrix::pack(info.ty, rows, k, file.tensor_data(info));
+        Some(Linear::Packed(packed))
     }
 
-    fn weight(&self) -> Option<KQuantWeight<'_>> {
+    fn weight(&self) -> Option<&PackedMatrix> {
         match self {
-            Linear::Mapped {
-                blocks,
-                ty,
-                rows,
-                k,
-            } => Some(KQuantWeight {
-                ty: *ty,
-                rows: *rows,
-                k: *k,
-                data: blocks.bytes(),
-            }),
+            Linear::Packed(p) => Some(p),
             Linear::Candle(_) => None,
         }
     }
@@ -95,14 +52,14 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Linear::Candle(m) => Ok(m.forward(x)?),
-            Linear::Mapped { .. } => Ok(Self::forward_shared(&[self], x)?.remove(0)),
+            Linear::Packed(_) => Ok(Self::forward_shared(&[self], x)?.remove(0)),
         }
     }
 
     /// Every one of `ls` applied to the same `x`; the mapped ones share one quantization of
     /// `x` and one parallel region (q, k and v; gate and up).
     pub fn forward_shared(ls: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>> {
-        let ws: Option<Vec<KQuantWeight<'_>>> = ls.iter().map(|l| l.weight()).collect();
+        let ws: Option<Vec<&PackedMatrix>> = ls.iter().map(|l| l.weight()).collect();
         let Some(ws) = ws else {
             return ls.iter().map(|l| l.forward(x)).collect();
         };
@@ -139,7 +96,7 @@ impl Linear {
     }
 }
 
-/// Whether a tensor of this type is read by our kernels (and so must stay mapped).
-pub fn runs_mapped(info: &TensorInfo) -> bool {
+/// Whether a tensor runs on our kernels (and so is repacked at load).
+pub fn runs_packed(info: &TensorInfo) -> bool {
     matches!(info.ne[..], [k, _] if kquants::supports(info.ty, k as usize))
 }

@@ -20,7 +20,7 @@ use refusion_convert::quant;
 
 use super::attention::{attend, Visible};
 use super::device_attention::{self, DeviceVisibility};
-use super::linear::{self, Linear};
+use super::linear::Linear;
 use super::{Batch, Forward, Logits, Offload, Qwen3Config};
 use crate::error::{Error, Result};
 use crate::kv::{CacheShape, KvCache};
@@ -92,13 +92,14 @@ impl Loader<'_> {
             .ok_or_else(|| Error::msg(format!("tensor {name} is missing")))
     }
 
-    /// A weight matrix: Q4_K/Q6_K CPU weights run on our kernels (in the map, or copied with
-    /// `--no-mmap`); others are candle's (read in place from the map for its packing, or
-    /// copied).
+    /// A weight matrix: Q4_K/Q6_K CPU weights are repacked for our kernels; others are
+    /// candle's (read in place from the map for its packing, or copied with `--no-mmap`).
     fn matmul(&self, name: &str) -> Result<Linear> {
         let t = self.info(name)?;
         if self.device.is_cpu() {
-            if let Some(l) = Linear::mapped(self.file, t, !self.mmap) {
+            if let Some(l) = Linear::packed(self.file, t) {
+                // Packed: the file's pages are not read again.
+                self.file.release(t, 0, t.n_bytes);
                 return Ok(l);
             }
         }
@@ -236,7 +237,7 @@ impl Qwen3 {
                             let r = load_layer(l).and_then(|layer| layer.prepack().map(|_| layer));
                             // Packed: what is still read of the originals comes back from the
                             // page cache.
-                            release_prefix(&file, &format!("blk.{l}."), mmap);
+                            release_prefix(&file, &format!("blk.{l}."));
                             mine.push((l, r));
                         }
                     })
@@ -275,7 +276,6 @@ impl Qwen3 {
             } else {
                 "output."
             },
-            mmap && output_device.is_cpu(),
         );
         let hd = cfg.head_dim;
         let inv_freq = (0..hd / 2)
@@ -391,14 +391,13 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// Drops this process's pages of the tensors whose names start with `prefix` (file-backed:
 /// a later read faults them back in from the page cache).
 /// Drops the pages of the tensors under `prefix` from this process (they were copied or
-/// packed); with `keep_mapped`, those our kernels read in place stay.
-fn release_prefix(file: &GgufFile, prefix: &str, keep_mapped: bool) {
+/// packed).
+fn release_prefix(file: &GgufFile, prefix: &str) {
     for t in file
         .header
         .tensors
         .iter()
         .filter(|t| t.name.starts_with(prefix))
-        .filter(|t| !(keep_mapped && linear::runs_mapped(t)))
     {
         file.release(t, 0, t.n_bytes);
     }
