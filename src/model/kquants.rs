@@ -58,6 +58,14 @@ const fn stored_at(i: usize) -> usize {
     }
 }
 
+/// Rounds to the nearest integer (ties to even) for |f| < 2^22, without a libm call, so
+/// the loop vectorizes (ggml's trick).
+#[inline(always)]
+fn nearest_int(f: f32) -> i32 {
+    let v = f + 12_582_912.0;
+    (v.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
 /// Quantizes one block as ggml's Q8_K does (round to nearest, scale from the signed maximum).
 fn quantize_block(x: &[f32], out: &mut Q8K) {
     let (mut max, mut amax) = (0f32, 0f32);
@@ -74,7 +82,7 @@ fn quantize_block(x: &[f32], out: &mut Q8K) {
     let iscale = -127.0 / max;
     let mut q = [0i8; QK];
     for (q, &v) in q.iter_mut().zip(x) {
-        *q = ((iscale * v).round() as i32).min(127) as i8;
+        *q = nearest_int(iscale * v).min(127) as i8;
     }
     for (s, chunk) in out.bsums.iter_mut().zip(q.chunks_exact(16)) {
         *s = chunk.iter().map(|&v| v as i16).sum();
@@ -151,16 +159,29 @@ impl PackedMatrix {
         assert!(supports(ty, k) && data.len() == rows * kb * bb);
         let runs = rows / ROWS_PER_UNIT;
         let lines = tile_lines(ty);
-        let mut tiles = vec![Line([0; 64]); runs * kb * lines];
+        let n = runs * kb * lines;
+        let mut tiles: Vec<Line> = Vec::with_capacity(n);
         #[cfg(target_arch = "x86_64")]
-        for (i, tile) in tiles.chunks_exact_mut(lines).enumerate() {
-            let (run, b) = (i / kb, i % kb);
-            // SAFETY: `supports` checked the CPU features; a tile is `lines` 64-byte lines.
-            unsafe {
-                let bytes =
-                    std::slice::from_raw_parts_mut(tile.as_mut_ptr() as *mut u8, lines * 64);
-                x86::pack_tile(ty, data, run * ROWS_PER_UNIT, b, kb, bytes)
-            };
+        {
+            use rayon::prelude::*;
+            // Packed on all cores, into memory not zeroed first: every byte is written.
+            tiles.spare_capacity_mut()[..n]
+                .par_chunks_mut(lines)
+                .enumerate()
+                .for_each(|(i, tile)| {
+                    let (run, b) = (i / kb, i % kb);
+                    // SAFETY: `supports` checked the CPU features; a tile is `lines` 64-byte
+                    // lines, all written by `pack_tile`.
+                    unsafe {
+                        let bytes = std::slice::from_raw_parts_mut(
+                            tile.as_mut_ptr() as *mut u8,
+                            lines * 64,
+                        );
+                        x86::pack_tile(ty, data, run * ROWS_PER_UNIT, b, kb, bytes)
+                    };
+                });
+            // SAFETY: the first `n` lines were all initialized above.
+            unsafe { tiles.set_len(n) };
         }
         PackedMatrix {
             ty,
@@ -188,9 +209,9 @@ impl PackedMatrix {
 /// 64-byte lines per tile (16 rows x one block).
 fn tile_lines(ty: GgmlType) -> usize {
     match ty {
-        // quants 2048, scales and minimums 2 x 128, d and dmin 2 x 64
-        GgmlType::Q4_K => 38,
-        // low bits 2048, high bits 1024, scales 256, d 64
+        // quants 2048, scales and minimums 2 x 128, d and dmin 2 x 32 (f16)
+        GgmlType::Q4_K => 37,
+        // low bits 2048, high bits 1024, scales 256, d 32 (f16), 32 unused
         _ => 53,
     }
 }
@@ -585,10 +606,10 @@ mod x86 {
     /// [`Q8K`]'s stored order): byte `4r + j` is row `r`'s value `8p + j` in its low nibble and
     /// `8p + 4 + j` in its high one; `[2048, 2176)` the 6-bit scale of each stored 32-value
     /// chunk, `[c][row]`; `[2176, 2304)` the minimums per natural sub-block, `[s][row]`;
-    /// then `d` and `dmin` as 16 f32 each.
+    /// then `d` and `dmin` as 16 f16 each (as in the file).
     /// Q6_K: `[0, 2048)` the low four bits as Q4_K's quants; `[2048, 3072)` the top two bits,
     /// 64 bytes per four groups `4q..4q+4` (group `4q + i` in bits `2i, 2i+1`); `[3072, 3328)`
-    /// the i8 scale of each stored 16-value chunk, `[c][row]`; then `d` as 16 f32.
+    /// the i8 scale of each stored 16-value chunk, `[c][row]`; then `d` as 16 f16.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn pack_tile(
         ty: GgmlType,
@@ -609,14 +630,15 @@ mod x86 {
                     tile[2048 + 16 * c + r] = (sc >> (8 * (stored_at(32 * c) / 32))) as u8;
                     tile[2176 + 16 * c + r] = (mn >> (8 * c)) as u8;
                 }
-                tile[2304 + 4 * r..2308 + 4 * r].copy_from_slice(&f16_at(blk, 0).to_le_bytes());
-                tile[2368 + 4 * r..2372 + 4 * r].copy_from_slice(&f16_at(blk, 2).to_le_bytes());
+                tile[2304 + 2 * r..2306 + 2 * r].copy_from_slice(&blk[0..2]);
+                tile[2336 + 2 * r..2338 + 2 * r].copy_from_slice(&blk[2..4]);
             } else {
                 *q = q6k_quants(blk);
                 for c in 0..16 {
                     tile[3072 + 16 * c + r] = blk[192 + stored_at(16 * c) / 16];
                 }
-                tile[3328 + 4 * r..3332 + 4 * r].copy_from_slice(&f16_at(blk, 208).to_le_bytes());
+                tile[3328 + 2 * r..3330 + 2 * r].copy_from_slice(&blk[208..210]);
+                tile[3360 + 2 * r..3362 + 2 * r].fill(0);
             }
         }
         let nib = _mm512_set1_epi8(0x0f);
@@ -658,8 +680,9 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn f32x16(tile: *const u8, at: usize) -> __m512 {
-        _mm512_loadu_ps(tile.add(at) as *const f32)
+    /// 16 f16 scales at `at` in a tile, as f32.
+    unsafe fn f16x16(tile: *const u8, at: usize) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(at) as *const _))
     }
 
     /// 16 packed Q4_K rows dotted with `N` activation rows, accumulated into `res`.
@@ -675,8 +698,8 @@ mod x86 {
         let nib = _mm512_set1_epi8(0x0f);
         for b in 0..kb {
             let tile = tiles.as_ptr().add(b * tile_bytes);
-            let d = f32x16(tile, 2304);
-            let dmin = f32x16(tile, 2368);
+            let d = f16x16(tile, 2304);
+            let dmin = f16x16(tile, 2336);
             let mut acc = [_mm512_setzero_ps(); N];
             for c in 0..8 {
                 let mut isum = [_mm512_setzero_si512(); N];
@@ -724,7 +747,7 @@ mod x86 {
         let two = _mm512_set1_epi8(0x03);
         for b in 0..kb {
             let tile = tiles.as_ptr().add(b * tile_bytes);
-            let d = f32x16(tile, 3328);
+            let d = f16x16(tile, 3328);
             let mut acc = [_mm512_setzero_ps(); N];
             for c in 0..16 {
                 let l0 = _mm512_load_si512(tile.add(64 * (2 * c)) as *const _);
