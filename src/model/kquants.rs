@@ -109,15 +109,30 @@ fn quantize_rows(x: &[f32], k: usize, out: &mut Vec<Q8K>) {
     }
 }
 
-/// Whether this CPU runs these kernels.
+/// Whether this CPU runs these kernels (and they are not switched off).
 pub fn available() -> bool {
+    // Features first: the first look also reads the environment switch.
+    cpu_has_features() && ENABLED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Off: weights loaded from now on use candle's kernels (`REFUSION_NO_NATIVE_KQUANTS=1` at
+/// start does the same), for comparisons.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+static ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+fn cpu_has_features() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
         static OK: OnceLock<bool> = OnceLock::new();
         *OK.get_or_init(|| {
-            std::env::var_os("REFUSION_NO_NATIVE_KQUANTS").is_none()
-                && is_x86_feature_detected!("avx512f")
+            if std::env::var_os("REFUSION_NO_NATIVE_KQUANTS").is_some() {
+                set_enabled(false);
+            }
+            is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("avx512vnni")
@@ -674,6 +689,17 @@ mod x86 {
         }
     }
 
+    /// Asks for the tile `PREFETCH_TILES` ahead (reads past a run's last tile are harmless:
+    /// prefetches never fault).
+    #[inline(always)]
+    unsafe fn prefetch_ahead(tile: *const u8, tile_bytes: usize) {
+        const PREFETCH_TILES: usize = 4;
+        let ahead = tile.wrapping_add(PREFETCH_TILES * tile_bytes);
+        for line in (0..tile_bytes).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+        }
+    }
+
     #[inline(always)]
     unsafe fn bcast(a: &Q8K, at: usize) -> __m512i {
         _mm512_set1_epi32(std::ptr::read_unaligned(a.qs.as_ptr().add(at) as *const i32))
@@ -698,6 +724,7 @@ mod x86 {
         let nib = _mm512_set1_epi8(0x0f);
         for b in 0..kb {
             let tile = tiles.as_ptr().add(b * tile_bytes);
+            prefetch_ahead(tile, tile_bytes);
             let d = f16x16(tile, 2304);
             let dmin = f16x16(tile, 2336);
             let mut acc = [_mm512_setzero_ps(); N];
@@ -747,6 +774,7 @@ mod x86 {
         let two = _mm512_set1_epi8(0x03);
         for b in 0..kb {
             let tile = tiles.as_ptr().add(b * tile_bytes);
+            prefetch_ahead(tile, tile_bytes);
             let d = f16x16(tile, 3328);
             let mut acc = [_mm512_setzero_ps(); N];
             for c in 0..16 {
