@@ -50,10 +50,7 @@ pub struct GpuInfo {
 pub struct ModelSizes {
     /// Bytes of each layer's weights (as stored, which is what a GPU holds).
     pub layer_weights: Vec<u64>,
-    /// Extra host bytes per layer when it runs on the CPU: candle's x86 kernels keep a
-    /// repacked copy of Q4_K, Q6_K and Q8_0 weights beside the original (none for the
-    /// Q4_K/Q6_K weights repacked for our own kernels, see `model::kquants`: their pages are
-    /// released, and the packing is at most 6% larger).
+    /// Extra host bytes per layer when it runs on the CPU (see `repack_extra`).
     pub layer_repack: Vec<u64>,
     /// The output layer (or the tied embedding it reuses) and the final norm.
     pub output_weights: u64,
@@ -68,11 +65,19 @@ pub struct ModelSizes {
     pub vocab: u64,
 }
 
-fn repacked(t: &TensorInfo) -> bool {
-    let ours = kquants::supports(t.ty, t.ne.first().copied().unwrap_or(0) as usize);
-    cfg!(target_arch = "x86_64")
-        && !ours
+/// Host bytes a CPU weight needs beyond its size in the file: candle's x86 kernels keep a
+/// repacked copy of Q4_K, Q6_K and Q8_0 weights beside the original; our Q4_K/Q6_K tiles
+/// replace the original (its pages are released) and are at most 2.8% larger.
+fn repack_extra(t: &TensorInfo) -> u64 {
+    if kquants::supports(t.ty, t.ne.first().copied().unwrap_or(0) as usize) {
+        t.n_bytes / 32
+    } else if cfg!(target_arch = "x86_64")
         && matches!(t.ty, GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_0)
+    {
+        t.n_bytes
+    } else {
+        0
+    }
 }
 
 impl ModelSizes {
@@ -86,7 +91,7 @@ impl ModelSizes {
             "output.weight"
         };
         for t in &header.tensors {
-            let extra = if repacked(t) { t.n_bytes } else { 0 };
+            let extra = repack_extra(t);
             let layer = refusion_convert::names::layer_of(&t.name).filter(|&l| l < cfg.n_layers);
             if let Some(l) = layer {
                 layer_weights[l] += t.n_bytes;

@@ -1,21 +1,25 @@
-//! Q4_K and Q6_K matrix products read straight from the GGUF's blocks (AVX-512).
+//! Q4_K and Q6_K matrix products on x86 with AVX-512 VNNI.
 //!
-//! candle's fast x86 kernels multiply a repacked copy of each weight (Q4_K 1.33x, Q6_K 1.52x
-//! the file's bytes), built single-threaded at load, and Q6_K keeps the original as well for
-//! one-token products. These kernels use the file's own block layout, as ggml does, so the
-//! weights stay in the memory map: nothing is packed at load and nothing is copied, and a
-//! one-token product streams fewer bytes. Activations are quantized once per product to
-//! 8-bit blocks of 256 ([`Q8K`], ggml's Q8_K), in an order that lines up with Q4_K's nibbles.
+//! candle's fast x86 kernels multiply a repacked copy of each weight that is larger than the
+//! file's blocks (Q4_K 1.33x, Q6_K 1.52x: scales expanded to f32, Q6_K's quants to bytes),
+//! built single-threaded at load, and Q6_K keeps the original too for one-token products.
+//! Here each run of 16 weight rows is repacked block by block into a tile of about the file's
+//! size ([`PackedMatrix`]: nibbles stay nibbles, 6-bit scales become bytes, `d` stays f16),
+//! on all cores, after which the file's pages are released. In a tile, four consecutive
+//! values of all 16 rows sit in 64 bytes, so one `vpdpbusd` with a broadcast group of four
+//! activations multiplies 16 rows, for one token as for many (llama.cpp's and candle's
+//! repacked kernels work the same way).
 //!
-//! Each weight row is dotted with up to [`MT`] activation rows at once, so a block's unpacked
-//! quants and scales serve several tokens; rows are spread over candle's worker pool.
-//! Without AVX-512 (F + BW) [`available`] is false and the model uses candle's kernels.
+//! Activations are quantized once per product (shared by q/k/v and by gate/up) to 8-bit
+//! blocks of 256 ([`Q8K`], ggml's Q8_K), stored in an order that lines up with Q4_K's
+//! nibbles. Work is spread over candle's worker pool in runs of 16 rows. Without AVX-512
+//! F/BW/VL/VNNI [`available`] is false and the model uses candle's kernels.
 
 use refusion_convert::gguf::GgmlType;
 
 /// Values per super-block.
 const QK: usize = 256;
-/// Activation rows dotted with one weight row at a time.
+/// Activation rows dotted with one weight row at a time (rows after the last full run).
 const MT: usize = 4;
 /// Weight rows per unit of work handed to a worker.
 const ROWS_PER_UNIT: usize = 16;
@@ -156,9 +160,9 @@ struct Line([u8; 64]);
 /// interleaved block by block (as many bytes as the file's blocks, give or take 6%), so one
 /// `vpdpbusd` multiplies 16 rows; the last `rows % 16` rows keep the file's blocks.
 pub struct PackedMatrix {
-    pub ty: GgmlType,
-    pub rows: usize,
-    pub k: usize,
+    ty: GgmlType,
+    rows: usize,
+    k: usize,
     /// `[run of 16 rows][block]` tiles of `tile_lines(ty)` lines each.
     tiles: Vec<Line>,
     /// The file's blocks of the rows after the last full run.
@@ -207,9 +211,14 @@ impl PackedMatrix {
         }
     }
 
-    /// Bytes held.
-    pub fn size(&self) -> usize {
-        self.tiles.len() * 64 + self.tail.len()
+    /// Output rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Values per row.
+    pub fn k(&self) -> usize {
+        self.k
     }
 
     /// The tiles of run `run` (rows `16 run .. 16 run + 16`), block after block.

@@ -64,7 +64,7 @@ impl Linear {
             return ls.iter().map(|l| l.forward(x)).collect();
         };
         let dims = x.dims().to_vec();
-        let k = ws[0].k;
+        let k = ws[0].k();
         if dims.last() != Some(&k) || x.dtype() != DType::F32 || !x.device().is_cpu() {
             return Err(Error::msg(format!(
                 "a {k}-wide weight applied to a {:?} {:?} tensor",
@@ -80,7 +80,7 @@ impl Linear {
         };
         let start = layout.start_offset();
         let xs = &cpu.as_slice::<f32>()?[start..start + m * k];
-        let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows]).collect();
+        let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows()]).collect();
         let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
         kquants::matmul_many(&ws, xs, m, &mut views);
         outs.into_iter()
@@ -88,7 +88,7 @@ impl Linear {
             .map(|(o, w)| {
                 let mut shape = dims.clone();
                 if let Some(last) = shape.last_mut() {
-                    *last = w.rows;
+                    *last = w.rows();
                 }
                 Ok(Tensor::from_vec(o, shape, &Device::Cpu)?)
             })
