@@ -56,8 +56,9 @@ impl Linear {
         }
     }
 
-    /// Every one of `ls` applied to the same `x`; the mapped ones share one quantization of
-    /// `x` and one parallel region (q, k and v; gate and up).
+    /// Every one of `ls` applied to the same `x`. When all are packed they share one
+    /// quantization of `x` and one parallel region (q, k and v; gate and up); otherwise each
+    /// runs on its own.
     pub fn forward_shared(ls: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>> {
         let ws: Option<Vec<&PackedMatrix>> = ls.iter().map(|l| l.weight()).collect();
         let Some(ws) = ws else {
