@@ -919,25 +919,17 @@ mod tests {
     }
 
     #[test]
-    fn q4k_matches_dequantized_product() {
+    fn both_types_match_the_dequantized_product() {
         if !available() {
             return;
         }
-        for m in [1, 2, 3, 4, 5, 9] {
-            check(GgmlType::Q4_K, 37, 512, m);
+        for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+            // 37 rows: two packed runs and a 5-row tail; 1..9 tokens: every tile width.
+            for m in [1, 2, 3, 4, 5, 9] {
+                check(ty, 37, 512, m);
+            }
+            check(ty, 16, 2048, 4);
         }
-        check(GgmlType::Q4_K, 16, 2048, 4);
-    }
-
-    #[test]
-    fn q6k_matches_dequantized_product() {
-        if !available() {
-            return;
-        }
-        for m in [1, 2, 3, 4, 5, 9] {
-            check(GgmlType::Q6_K, 37, 512, m);
-        }
-        check(GgmlType::Q6_K, 16, 2048, 4);
     }
 
     #[test]
