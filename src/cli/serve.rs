@@ -1,6 +1,7 @@
 //! `refusion serve`: the OpenAI-compatible server.
 
 use std::net::IpAddr;
+use std::time::Duration;
 
 use anyhow::Result;
 use clap::Args;
@@ -9,7 +10,7 @@ use super::generate::DecodeArgs;
 use super::model_args::ModelArgs;
 use crate::runtime::load;
 use crate::server::worker::Limits;
-use crate::server::{serve, ServerConfig};
+use crate::server::{check_access, serve, ConnLimits, ServerConfig};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -38,6 +39,29 @@ pub struct ServeArgs {
     /// The model id reported by /v1/models (default: general.name).
     #[arg(long)]
     alias: Option<String>,
+    /// Seconds a request's headers may take, from its first byte.
+    #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+    header_timeout: f64,
+    /// Seconds a request's body may take, after its headers (HTTP 408 beyond).
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    body_timeout: f64,
+    /// Seconds an idle keep-alive connection is kept open.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    idle_timeout: f64,
+    /// Open connections at most; more are answered 503 and closed.
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    max_connections: usize,
+    /// Seconds responses in flight get to end after SIGINT/SIGTERM (generations are cancelled).
+    #[arg(long, default_value_t = 5.0, value_name = "SECS")]
+    shutdown_timeout: f64,
+}
+
+/// A positive, finite number of seconds.
+fn seconds(flag: &str, v: f64) -> Result<Duration> {
+    if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
+        anyhow::bail!("{flag} must be between 0 and 86400 seconds, got {v}");
+    }
+    Ok(Duration::from_secs_f64(v))
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
@@ -45,6 +69,17 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.queue == 0 {
         anyhow::bail!("--queue must be at least 1");
     }
+    check_access(a.host, a.api_key.as_deref())?;
+    if a.max_connections == 0 {
+        anyhow::bail!("--max-connections must be at least 1");
+    }
+    let conn = ConnLimits {
+        headers: seconds("--header-timeout", a.header_timeout)?,
+        body: seconds("--body-timeout", a.body_timeout)?,
+        idle: seconds("--idle-timeout", a.idle_timeout)?,
+        grace: seconds("--shutdown-timeout", a.shutdown_timeout)?,
+        max_connections: a.max_connections,
+    };
     let loaded = load(&a.model.load_options(true))?;
     let base = a.decode.params(&loaded.file.header, &loaded.tokenizer)?;
     let model_name = a.alias.clone().unwrap_or_else(|| {
@@ -67,6 +102,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         queue: a.queue,
         max_body_bytes: a.max_body_bytes,
         model_name,
+        conn,
     };
     serve(loaded, limits, cfg)?;
     Ok(())

@@ -2,9 +2,12 @@
 //!
 //! Requests are parsed and checked here, then queued (bounded: a full queue is a 503) for the
 //! worker thread, which streams back the contiguous committed prefix of the answer as it grows.
-//! A client that disconnects cancels its generation.
+//! A client that disconnects cancels its generation. Connections (timeouts, the cap, the drain
+//! at shutdown) are [`conn`]'s job.
 
 pub mod api;
+mod body;
+mod conn;
 pub mod worker;
 
 use std::net::{IpAddr, SocketAddr};
@@ -14,9 +17,9 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -27,7 +30,9 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 use self::api::{parse, ApiError, ChatRequest, CompletionRequest, PromptField};
-use self::worker::{Job, JobInput, Limits, Msg};
+use self::body::{read_body, BodyLimits};
+pub use self::conn::ConnLimits;
+use self::worker::{Job, JobInput, Limits, Msg, Shutdown};
 use crate::chat::Message;
 use crate::error::{Error, Result};
 use crate::runtime::Loaded;
@@ -39,6 +44,7 @@ pub struct ServerConfig {
     pub queue: usize,
     pub max_body_bytes: usize,
     pub model_name: String,
+    pub conn: ConnLimits,
 }
 
 struct AppState {
@@ -65,38 +71,65 @@ fn now() -> u64 {
         .unwrap_or(0)
 }
 
-fn check_auth(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(key) = &state.api_key else {
+/// Middleware, outermost: every route but `/health` needs the key when one is set, checked
+/// before the body is read.
+async fn require_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if req.uri().path() != "/health" {
+        if let Err(e) = check_key(state.api_key.as_deref(), req.headers()) {
+            return e.into_response();
+        }
+    }
+    next.run(req).await
+}
+
+fn check_key(key: Option<&str>, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = key else {
         return Ok(());
     };
-    let given = headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if given == key {
-        Ok(())
-    } else {
+    let unauthorized = |why: &str| {
         Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "invalid_api_key",
-            "missing or wrong API key",
+            format!("{why}: send the header 'Authorization: Bearer <API key>'"),
         ))
+    };
+    let Some(value) = headers.get(header::AUTHORIZATION) else {
+        return unauthorized("missing API key");
+    };
+    // The scheme is case-insensitive (RFC 9110); a missing header is never an empty key.
+    let given = value.as_bytes();
+    let token = match given.get(..7) {
+        Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => &given[7..],
+        _ => return unauthorized("wrong API key"),
+    };
+    if !key.is_empty() && constant_time_eq(token, key.as_bytes()) {
+        Ok(())
+    } else {
+        unauthorized("wrong API key")
     }
 }
 
-fn body_bytes(body: std::result::Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "the request body is too large",
-            )
-        } else {
-            ApiError::bad_request(format!("cannot read the request body: {e}"))
-        }
-    })
+/// Compares without an early exit, so the time taken does not tell how much of a guess matched.
+/// (The length may show; the content does not.)
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// 405 in the API's error format, with the `Allow` header.
+fn method_not_allowed(
+    allow: &'static str,
+) -> impl Fn(Method) -> std::future::Ready<Response> + Clone {
+    move |method: Method| {
+        let mut r = ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            format!("method {method} is not allowed here; use {allow}"),
+        )
+        .into_response();
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static(allow));
+        std::future::ready(r)
+    }
 }
 
 /// Queues a job and waits until it starts (or fails before producing anything).
@@ -172,24 +205,15 @@ fn usage(p: usize, c: usize) -> serde_json::Value {
     json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
 }
 
-async fn chat_completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
-    match chat_inner(&state, &headers, body).await {
+async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    match chat_inner(&state, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn chat_inner(
-    state: &Arc<AppState>,
-    headers: &HeaderMap,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    check_auth(state, headers)?;
-    let req: ChatRequest = parse(&body_bytes(body)?)?;
+async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse(&body)?;
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("messages must not be empty").param("messages"));
     }
@@ -250,24 +274,15 @@ async fn chat_inner(
         .into_response())
 }
 
-async fn completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
-    match completions_inner(&state, &headers, body).await {
+async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    match completions_inner(&state, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn completions_inner(
-    state: &Arc<AppState>,
-    headers: &HeaderMap,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    check_auth(state, headers)?;
-    let req: CompletionRequest = parse(&body_bytes(body)?)?;
+async fn completions_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse(&body)?;
     let prompt = match req.prompt {
         PromptField::One(s) => s,
         PromptField::Many(v) if v.len() == 1 => v.into_iter().next().unwrap_or_default(),
@@ -315,10 +330,7 @@ async fn completions_inner(
         .into_response())
 }
 
-async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(e) = check_auth(&state, &headers) {
-        return e.into_response();
-    }
+async fn models(State(state): State<Arc<AppState>>) -> Response {
     Json(json!({"object": "list", "data": [{"id": state.model, "object": "model", "created": 0, "owned_by": "refusion"}]}))
         .into_response()
 }
@@ -336,74 +348,167 @@ async fn not_found() -> Response {
     .into_response()
 }
 
-/// Runs the server until Ctrl-C or SIGTERM.
-pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
-    if !cfg.host.is_loopback() && cfg.api_key.is_none() {
+/// Refuses an empty API key (it would match nothing sent, or look like protection while being
+/// none) and an address beyond loopback without a key. Called before the model loads.
+pub fn check_access(host: IpAddr, api_key: Option<&str>) -> Result<()> {
+    if api_key.is_some_and(|k| k.trim().is_empty()) {
+        return Err(Error::msg(
+            "--api-key must not be empty: pass a secret, or leave the flag out on loopback",
+        ));
+    }
+    if !host.is_loopback() && api_key.is_none() {
         return Err(Error::msg(format!(
-            "binding to {} exposes the server beyond this machine: pass --api-key (or bind 127.0.0.1)",
-            cfg.host
+            "binding to {host} exposes the server beyond this machine: pass --api-key (or bind 127.0.0.1)"
         )));
     }
-    let (jobs_tx, jobs_rx) = sync_channel::<Job>(cfg.queue);
-    let worker = std::thread::Builder::new()
-        .name("refusion-worker".into())
-        .spawn(move || worker::run(loaded, limits, jobs_rx))
-        .map_err(|e| Error::msg(format!("cannot start the worker: {e}")))?;
-    let state = Arc::new(AppState {
-        jobs: jobs_tx,
-        model: cfg.model_name.clone(),
-        api_key: cfg.api_key.clone(),
-        queue: cfg.queue,
-        next_id: AtomicU64::new(1),
-    });
-    let app = Router::new()
-        .route("/health", get(health))
-        .route("/v1/models", get(models))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/completions", post(completions))
-        .fallback(not_found)
-        .layer(DefaultBodyLimit::max(cfg.max_body_bytes))
-        .with_state(state);
+    Ok(())
+}
+
+/// Runs the server until Ctrl-C or SIGTERM. The first signal stops accepting, cancels the
+/// generation in progress and the queued requests (they get 503), closes idle and half-sent
+/// connections and gives responses in flight `--shutdown-timeout` to end, then returns; a second
+/// signal exits the process at once (code 130).
+pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
+    check_access(cfg.host, cfg.api_key.as_deref())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| Error::msg(format!("cannot start the async runtime: {e}")))?;
     let addr = SocketAddr::new(cfg.host, cfg.port);
-    rt.block_on(async move {
+    let (listener, mut signals) = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| Error::msg(format!("cannot listen on {addr}: {e}")))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| Error::msg(e.to_string()))?;
-        eprintln!(
-            "refusion serve: listening on http://{local} (model '{}')",
-            cfg.model_name
-        );
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let ctrl_c = tokio::signal::ctrl_c();
-                #[cfg(unix)]
-                {
-                    let mut term = match tokio::signal::unix::signal(
-                        tokio::signal::unix::SignalKind::terminate(),
-                    ) {
-                        Ok(t) => t,
-                        Err(_) => {
-                            let _ = ctrl_c.await;
-                            return;
-                        }
-                    };
-                    tokio::select! { _ = ctrl_c => {}, _ = term.recv() => {} }
-                }
-                #[cfg(not(unix))]
-                let _ = ctrl_c.await;
-            })
-            .await
-            .map_err(|e| Error::msg(format!("server error: {e}")))
+        Ok::<_, Error>((listener, signals::Signals::new()?))
     })?;
-    drop(worker);
+    let local = listener
+        .local_addr()
+        .map_err(|e| Error::msg(e.to_string()))?;
+
+    let shutdown = Arc::new(Shutdown::default());
+    let (jobs_tx, jobs_rx) = sync_channel::<Job>(cfg.queue);
+    let worker_shutdown = shutdown.clone();
+    let worker = std::thread::Builder::new()
+        .name("refusion-worker".into())
+        .spawn(move || worker::run(loaded, limits, jobs_rx, &worker_shutdown))
+        .map_err(|e| Error::msg(format!("cannot start the worker: {e}")))?;
+    let app = router(
+        AppState {
+            jobs: jobs_tx,
+            model: cfg.model_name.clone(),
+            api_key: cfg.api_key.clone(),
+            queue: cfg.queue,
+            next_id: AtomicU64::new(1),
+        },
+        BodyLimits {
+            max_bytes: cfg.max_body_bytes,
+            timeout: cfg.conn.body,
+        },
+    );
+    eprintln!(
+        "refusion serve: listening on http://{local} (model '{}')",
+        cfg.model_name
+    );
+    let grace = cfg.conn.grace;
+    let left = rt.block_on(async move {
+        let stop = async move {
+            let name = signals.next().await;
+            let busy = shutdown.request();
+            eprintln!(
+                "refusion serve: {name}: shutting down ({}; responses in flight get {} s; a second signal exits at once)",
+                if busy { "cancelling the generation in progress" } else { "no generation in progress" },
+                grace.as_secs_f64()
+            );
+            tokio::spawn(async move {
+                let name = signals.next().await;
+                eprintln!("refusion serve: second {name}: exiting now");
+                std::process::exit(130);
+            });
+        };
+        conn::run(listener, app, cfg.conn, stop).await
+    });
+    if left > 0 {
+        eprintln!("refusion serve: closed {left} connection(s) still open after the grace period");
+    }
+    rt.shutdown_timeout(std::time::Duration::from_millis(200));
+    // The router (and the job queue's sender) is gone, so the worker ends after its current job,
+    // which was cancelled; wait for it, boundedly.
+    let waited = std::time::Instant::now();
+    while !worker.is_finished() && waited.elapsed() < grace {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     eprintln!("refusion serve: stopped");
     Ok(())
+}
+
+fn router(state: AppState, body: BodyLimits) -> Router {
+    let state = Arc::new(state);
+    Router::new()
+        .route("/health", get(health).fallback(method_not_allowed("GET")))
+        .route(
+            "/v1/models",
+            get(models).fallback(method_not_allowed("GET")),
+        )
+        .route(
+            "/v1/chat/completions",
+            post(chat_completions).fallback(method_not_allowed("POST")),
+        )
+        .route(
+            "/v1/completions",
+            post(completions).fallback(method_not_allowed("POST")),
+        )
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(body.max_bytes))
+        .layer(middleware::from_fn_with_state(body, read_body))
+        .layer(middleware::from_fn_with_state(state.clone(), require_key))
+        .with_state(state)
+}
+
+mod signals {
+    //! SIGINT and SIGTERM as a stream of names, so the first starts shutdown and the second
+    //! exits.
+
+    use crate::error::{Error, Result};
+
+    pub struct Signals {
+        #[cfg(unix)]
+        int: tokio::signal::unix::Signal,
+        #[cfg(unix)]
+        term: tokio::signal::unix::Signal,
+    }
+
+    impl Signals {
+        /// Installs the handlers (inside the runtime): from here on the signals are ours.
+        pub fn new() -> Result<Signals> {
+            #[cfg(unix)]
+            {
+                use tokio::signal::unix::{signal, SignalKind};
+                let install = |kind| {
+                    signal(kind).map_err(|e| Error::msg(format!("cannot handle signals: {e}")))
+                };
+                Ok(Signals {
+                    int: install(SignalKind::interrupt())?,
+                    term: install(SignalKind::terminate())?,
+                })
+            }
+            #[cfg(not(unix))]
+            Ok(Signals {})
+        }
+
+        pub async fn next(&mut self) -> &'static str {
+            #[cfg(unix)]
+            {
+                tokio::select! {
+                    _ = self.int.recv() => "SIGINT",
+                    _ = self.term.recv() => "SIGTERM",
+                }
+            }
+            #[cfg(not(unix))]
+            {
+                let _ = tokio::signal::ctrl_c().await;
+                "Ctrl-C"
+            }
+        }
+    }
 }

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Receiver;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use axum::http::StatusCode;
 use tokio::sync::mpsc::UnboundedSender;
@@ -42,6 +42,55 @@ pub enum Msg {
     /// The stream is over (after `Done`).
     End,
     Error(ApiError),
+}
+
+/// Shutdown as the worker sees it: once requested, the generation in progress is cancelled and
+/// every job still queued is answered 503.
+#[derive(Default)]
+pub struct Shutdown {
+    requested: AtomicBool,
+    /// The cancel flag of the job being generated.
+    current: Mutex<Option<Arc<AtomicBool>>>,
+}
+
+impl Shutdown {
+    /// Starts shutting down; true when a generation was in progress (it is cancelled).
+    pub fn request(&self) -> bool {
+        self.requested.store(true, Ordering::SeqCst);
+        let current = self.slot().take();
+        if let Some(cancel) = &current {
+            cancel.store(true, Ordering::SeqCst);
+        }
+        current.is_some()
+    }
+
+    pub fn requested(&self) -> bool {
+        self.requested.load(Ordering::SeqCst)
+    }
+
+    fn slot(&self) -> std::sync::MutexGuard<'_, Option<Arc<AtomicBool>>> {
+        self.current.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers a job about to run; false when shutdown was requested (it must not run). The
+    /// job is registered before the flag is read and `request` sets the flag before it looks, so
+    /// one of the two always sees the other.
+    fn begin(&self, cancel: &Arc<AtomicBool>) -> bool {
+        *self.slot() = Some(cancel.clone());
+        !self.requested()
+    }
+
+    fn end(&self) {
+        *self.slot() = None;
+    }
+}
+
+fn shutting_down() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_shutting_down",
+        "the server is shutting down; the request was cancelled",
+    )
 }
 
 /// Server-side limits and defaults.
@@ -146,7 +195,7 @@ pub fn params_for(knobs: &Knobs, limits: &Limits) -> Result<DecodeParams, ApiErr
     Ok(p)
 }
 
-pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>) {
+pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutdown) {
     let template = loaded
         .file
         .header
@@ -167,7 +216,13 @@ pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>) {
         if job.cancel.load(Ordering::SeqCst) {
             continue;
         }
-        if let Err(e) = run_job(&mut session, &loaded, context, &limits, &job) {
+        let result = if shutdown.begin(&job.cancel) {
+            run_job(&mut session, &loaded, context, &limits, &job, shutdown)
+        } else {
+            Err(shutting_down())
+        };
+        shutdown.end();
+        if let Err(e) = result {
             let _ = job.tx.send(Msg::Error(e));
         }
         let _ = job.tx.send(Msg::End);
@@ -180,6 +235,7 @@ fn run_job(
     context: usize,
     limits: &Limits,
     job: &Job,
+    shutdown: &Shutdown,
 ) -> Result<(), ApiError> {
     let params = params_for(&job.knobs, limits)?;
     let prompt = match &job.input {
@@ -267,6 +323,10 @@ fn run_job(
                 completion_tokens: completion,
             });
             Ok(())
+        }
+        Err(Error::Cancelled) if shutdown.requested() => {
+            eprintln!("refusion serve: shutting down: the generation in progress was cancelled");
+            Err(shutting_down())
         }
         Err(Error::Cancelled) => {
             eprintln!("refusion serve: the client went away; its generation was cancelled");

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
