@@ -231,7 +231,7 @@ fn a_slow_but_steady_client_is_not_cut_off_by_the_idle_timeout() {
 }
 
 #[test]
-fn connections_beyond_the_cap_get_503_and_health_recovers() {
+fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_refusion_gguf(tmp.path());
     let server = Server::start(
@@ -243,17 +243,40 @@ fn connections_beyond_the_cap_get_503_and_health_recovers() {
             "60",
             "--idle-timeout",
             "60",
+            "--body-timeout",
+            "60",
         ],
     );
-    let mut stalled: Vec<TcpStream> = (0..3)
-        .map(|_| {
+    // Silent and half-sent connections at the cap are closed, oldest first, to let others in.
+    let mut silent: Vec<TcpStream> = (0..3)
+        .map(|i| {
             let mut s = connect(&server);
-            s.write_all(b"GET /health HTTP/1.1\r\nHo").unwrap();
+            if i > 0 {
+                s.write_all(b"GET /health HTTP/1.1\r\nHo").unwrap();
+            }
             s
         })
         .collect();
     std::thread::sleep(Duration::from_millis(300));
-    // Many more: each is answered at once and closed, holding nothing.
+    for _ in 0..20 {
+        assert_eq!(health(&server), 200);
+    }
+    // One place was needed at a time: the oldest silent connection gave it up.
+    closed_within(&mut silent[0], Duration::from_secs(10))
+        .expect("the oldest silent connection kept its place");
+    // Requests in flight (bodies still coming) are never evicted: beyond them, 503.
+    let mut busy: Vec<TcpStream> = (0..3)
+        .map(|_| {
+            let mut s = connect(&server);
+            s.write_all(
+                format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{{")
+                    .as_bytes(),
+            )
+            .unwrap();
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
     for _ in 0..50 {
         let (status, head, body) = request(&server, "GET", "/health", &[], "");
         assert_eq!(status, 503, "{head}\n{body}");
@@ -262,7 +285,7 @@ fn connections_beyond_the_cap_get_503_and_health_recovers() {
             "{body}"
         );
     }
-    stalled.pop();
+    busy.pop();
     let t = Instant::now();
     while health(&server) != 200 {
         assert!(

@@ -14,13 +14,16 @@
 //! - **busy**: a request is being answered. Its body must arrive within `body` (enforced where
 //!   the body is read, [`super::read_body`], which answers 408); generation itself is not timed.
 //!
-//! At shutdown, idle and half-sent connections are closed at once and busy ones are told to close
-//! after their response, which must end within `grace`.
+//! At the cap (`max_connections`) a new connection takes the place of the connection that has
+//! waited longest with nothing in flight (idle or half-sent); only when every connection has a
+//! request in flight is it answered 503. At shutdown, idle and half-sent connections are closed
+//! at once and busy ones are told to close after their response, which must end within `grace`.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -48,7 +51,7 @@ pub struct ConnLimits {
     pub idle: Duration,
     /// How long in-flight responses may take to finish once shutdown starts.
     pub grace: Duration,
-    /// Open connections at most; more are answered 503 and closed.
+    /// Open connections at most; beyond it idle ones make room, else 503.
     pub max_connections: usize,
 }
 
@@ -70,6 +73,8 @@ struct PhaseState {
 struct Tracker {
     state: Mutex<PhaseState>,
     changed: Notify,
+    /// Chosen to make room under the cap: close as soon as nothing is in flight.
+    evicted: AtomicBool,
 }
 
 impl Tracker {
@@ -81,6 +86,7 @@ impl Tracker {
                 epoch: 0,
             }),
             changed: Notify::new(),
+            evicted: AtomicBool::new(false),
         })
     }
 
@@ -128,6 +134,38 @@ impl Tracker {
 
     fn epoch(&self) -> u64 {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).epoch
+    }
+
+    /// When it last changed phase, if nothing is in flight (it may be evicted).
+    fn idle_since(&self) -> Option<Instant> {
+        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        (!matches!(s.phase, Phase::Busy(_)) && !self.evicted.load(Ordering::SeqCst))
+            .then_some(s.since)
+    }
+
+    fn evict(&self) {
+        self.evicted.store(true, Ordering::SeqCst);
+        self.changed.notify_one();
+    }
+}
+
+/// At the cap, picks the connection that has been waiting longest with nothing in flight (idle,
+/// or a request's headers still coming) and tells it to close; false when every one is busy.
+/// So silent connections cannot lock out real clients; only requests in flight count against
+/// the cap for good.
+fn evict_idlest(live: &mut Vec<Arc<Tracker>>) -> bool {
+    // A tracker only the accept loop holds belongs to a connection that has ended.
+    live.retain(|t| Arc::strong_count(t) > 1);
+    let idlest = live
+        .iter()
+        .filter_map(|t| t.idle_since().map(|since| (since, t)))
+        .min_by_key(|(since, _)| *since);
+    match idlest {
+        Some((_, t)) => {
+            t.evict();
+            true
+        }
+        None => false,
     }
 }
 
@@ -220,12 +258,12 @@ impl http_body::Body for TrackedBody {
 /// Serves one connection until it ends, times out, or shutdown closes it.
 async fn serve_connection(
     stream: TcpStream,
+    tracker: Arc<Tracker>,
     app: Router,
     limits: ConnLimits,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
-    let tracker = Tracker::new();
     let io = TokioIo::new(WatchedIo {
         inner: stream,
         tracker: tracker.clone(),
@@ -251,8 +289,9 @@ async fn serve_connection(
     let mut drain_until: Option<Instant> = None;
     loop {
         let (phase, epoch, deadline) = tracker.deadline(&limits);
-        if drain_until.is_some() && !matches!(phase, Phase::Busy(_)) {
-            return; // shutting down and nothing in flight: close now
+        let closing = drain_until.is_some() || tracker.evicted.load(Ordering::SeqCst);
+        if closing && !matches!(phase, Phase::Busy(_)) {
+            return; // shutting down or evicted, and nothing in flight: close now
         }
         let deadline = match (deadline, drain_until) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -311,32 +350,45 @@ pub async fn run(
     limits: ConnLimits,
     stop: impl Future<Output = ()>,
 ) -> usize {
-    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let max = limits.max_connections.max(1);
+    let slots = Arc::new(Semaphore::new(max));
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let mut conns = JoinSet::new();
+    let mut live: Vec<Arc<Tracker>> = Vec::new();
     tokio::pin!(stop);
     loop {
-        tokio::select! {
+        let stream = tokio::select! {
             _ = &mut stop => break,
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => match slots.clone().try_acquire_owned() {
-                    Ok(permit) => {
-                        let app = app.clone();
-                        let rx = shutdown_rx.clone();
-                        conns.spawn(async move {
-                            serve_connection(stream, app, limits, rx).await;
-                            drop(permit);
-                        });
-                    }
-                    Err(_) => {
-                        tokio::spawn(refuse(stream, limits.max_connections));
-                    }
-                },
+                Ok((stream, _)) => stream,
                 // Out of file descriptors and the like: wait instead of spinning.
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
             },
+        };
+        let ready = slots.clone().try_acquire_owned().ok();
+        if ready.is_none() && !evict_idlest(&mut live) {
+            conns.spawn(refuse(stream, max));
+            continue;
         }
+        let tracker = Tracker::new();
+        live.push(tracker.clone());
+        let (slots, app, rx) = (slots.clone(), app.clone(), shutdown_rx.clone());
+        conns.spawn(async move {
+            // After an eviction the slot frees as soon as that connection closes.
+            let permit = match ready {
+                Some(p) => p,
+                None => match timeout(Duration::from_secs(1), slots.acquire_owned()).await {
+                    Ok(Ok(p)) => p,
+                    _ => return refuse(stream, max).await,
+                },
+            };
+            serve_connection(stream, tracker, app, limits, rx).await;
+            drop(permit);
+        });
     }
     drop(listener);
     let _ = shutdown_tx.send(true);
