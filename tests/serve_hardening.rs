@@ -117,6 +117,11 @@ fn an_empty_api_key_is_refused_before_loading() {
         ]);
         assert_fails_with(&o, &["--api-key must not be empty"]);
     }
+    // HTTP trims header values: a key with spaces could never match.
+    for key in ["sekrit ", " sekrit", "sek rit", "sek\trit"] {
+        let o = run(&["serve", "-m", "/nonexistent.gguf", "--api-key", key]);
+        assert_fails_with(&o, &["--api-key must be visible ASCII"]);
+    }
 }
 
 #[test]
@@ -139,13 +144,18 @@ fn the_api_key_is_required_and_compared_exactly() {
     }
     let (status, _, b) = request(&server, "GET", "/v1/models", &[], "");
     assert_eq!(status, 401, "{b}");
-    // The key is checked before the body is read: a stranger's 10 MB is never waited for.
+    // The key is checked before the body is read: a stranger's announced 10 MB is not waited
+    // for (a body within the limit is read and dropped, so the client sees its 401).
     let mut s = connect(&server);
     s.write_all(
         format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n").as_bytes(),
     )
     .unwrap();
     let (status, _, b) = read_response(&mut s);
+    assert_eq!(status, 401, "{b}");
+    // /health stays open (for load balancers); unknown routes need the key too.
+    assert_eq!(health(&server), 200);
+    let (status, _, b) = request(&server, "GET", "/v2/nothing", &[], "");
     assert_eq!(status, 401, "{b}");
     // The scheme is case-insensitive.
     for auth in [
@@ -179,6 +189,7 @@ fn stalled_requests_and_idle_connections_time_out() {
     half_headers
         .write_all(format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Le").as_bytes())
         .unwrap();
+    let sent = Instant::now();
     // A body shorter than its Content-Length: 408 with the error object, then closed.
     let mut short_body = connect(&server);
     short_body
@@ -198,8 +209,12 @@ fn stalled_requests_and_idle_connections_time_out() {
     let n = keep_alive.read(&mut buf).unwrap();
     assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
 
-    let t = closed_within(&mut half_headers, limit).expect("half-sent headers were never closed");
-    assert!(t >= Duration::from_millis(500), "closed too early: {t:?}");
+    closed_within(&mut half_headers, limit).expect("half-sent headers were never closed");
+    assert!(
+        sent.elapsed() >= Duration::from_millis(900),
+        "closed before the header timeout: {:?}",
+        sent.elapsed()
+    );
     let (status, head, body) = read_response(&mut short_body);
     assert_eq!(status, 408, "{head}\n{body}");
     assert!(head.contains("connection: close"), "{head}");
@@ -327,19 +342,21 @@ fn every_error_answer_is_an_error_object() {
     error_message(&body);
 }
 
+const LONG: &str = r#"{"messages":[{"role":"user","content":"hello"}],"max_tokens":4000,"stream":true,"slot_size":4,"serial_blocks":1000}"#;
+
+fn post_chat(s: &mut TcpStream, body: &str) {
+    let msg = format!(
+        "POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(msg.as_bytes()).unwrap();
+}
+
 /// Starts a streamed generation long enough to be in progress when the test signals, and
 /// returns its socket once the first text has arrived.
 fn start_long_stream(server: &Server) -> TcpStream {
     let mut s = connect(server);
-    let body = r#"{"messages":[{"role":"user","content":"hello"}],"max_tokens":4000,"stream":true,"slot_size":4,"serial_blocks":1000}"#;
-    s.write_all(
-        format!(
-            "POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .as_bytes(),
-    )
-    .unwrap();
+    post_chat(&mut s, LONG);
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
     while !String::from_utf8_lossy(&seen).contains("data: ") {
@@ -351,7 +368,7 @@ fn start_long_stream(server: &Server) -> TcpStream {
 }
 
 #[test]
-fn sigterm_cancels_the_generation_closes_stalled_connections_and_exits() {
+fn sigterm_cancels_the_generation_and_the_queue_and_closes_what_waits_at_once() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_refusion_gguf(tmp.path());
     let mut server = Server::start(
@@ -365,30 +382,49 @@ fn sigterm_cancels_the_generation_closes_stalled_connections_and_exits() {
             "600",
             "--idle-timeout",
             "600",
+            "--body-timeout",
+            "600",
+            "--shutdown-timeout",
+            "60",
         ],
     );
-    let mut half_sent = connect(&server);
-    half_sent
+    let mut half_headers = connect(&server);
+    half_headers
         .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    let mut half_body = connect(&server);
+    half_body
+        .write_all(
+            format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{{").as_bytes(),
+        )
         .unwrap();
     let mut idle = connect(&server);
     let mut stream = start_long_stream(&server);
+    // Queued behind the generation in progress.
+    let mut queued = connect(&server);
+    post_chat(&mut queued, &chat_body(8, false));
+    std::thread::sleep(Duration::from_millis(300));
+
     let t = Instant::now();
     server.signal("-TERM");
     let status = server
-        .wait_exit(Duration::from_secs(20))
+        .wait_exit(Duration::from_secs(30))
         .expect("the server did not exit after SIGTERM");
+    // Nothing waited for the 60 s of --shutdown-timeout.
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
     assert_eq!(status.code(), Some(0), "{status:?}");
     let log = server
         .wait_log("stopped", Duration::from_secs(5))
         .unwrap_or_else(|l| l);
-    assert!(log.contains("SIGTERM: shutting down"), "{log}");
+    assert!(
+        log.contains("SIGTERM: shutting down (cancelling the generation in progress"),
+        "{log}"
+    );
     assert!(
         log.contains("generation in progress was cancelled"),
         "{log}"
     );
-    assert!(log.contains("stopped"), "{log}");
-    // The stream was told why it ended, and every connection is closed.
+    // The stream was told why it ended; the queued request got a 503.
     let mut rest = Vec::new();
     let _ = stream.read_to_end(&mut rest);
     let rest = String::from_utf8_lossy(&rest);
@@ -396,39 +432,142 @@ fn sigterm_cancels_the_generation_closes_stalled_connections_and_exits() {
         rest.contains("shutting down") && rest.contains("[DONE]"),
         "{rest}"
     );
-    for s in [&mut half_sent, &mut idle] {
+    let (status, _, body) = read_response(&mut queued);
+    assert_eq!(status, 503, "{body}");
+    assert!(error_message(&body).contains("shutting down"), "{body}");
+    for s in [&mut half_headers, &mut half_body, &mut idle] {
         closed_within(s, Duration::from_secs(1)).expect("a connection outlived the server");
     }
-    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+}
+
+/// A socket whose receive buffer is tiny, so that a client that does not read blocks the
+/// server's writes quickly.
+fn connect_small_window(server: &Server) -> TcpStream {
+    use socket2::{Domain, Socket, Type};
+    let addr: std::net::SocketAddr = server.addr().parse().unwrap();
+    let s = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    s.set_recv_buffer_size(4096).unwrap();
+    s.connect(&addr.into()).unwrap();
+    s.into()
+}
+
+/// A fixture model with a small vocabulary, fast enough to fill socket buffers in a moment.
+fn fast_model(dir: &std::path::Path) -> std::path::PathBuf {
+    let out = dir.join("pub-a.gguf");
+    convert_quiet(&fixture_model("pub-a"), &out, "q8_0");
+    out
+}
+
+/// Bytes waiting in the send queue of the server's established socket on `port`
+/// (`/proc/net/tcp`'s `tx_queue`; Linux).
+fn server_send_queue(port: u16) -> Option<u64> {
+    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    table.lines().skip(1).find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let local_port = u16::from_str_radix(f.get(1)?.rsplit(':').next()?, 16).ok()?;
+        let established = *f.get(3)? == "01";
+        let tx = u64::from_str_radix(f.get(4)?.split(':').next()?, 16).ok()?;
+        (local_port == port && established).then_some(tx)
+    })
+}
+
+/// Streams a long answer to a client that does not read it, and returns once the server's
+/// socket can take no more (its send queue full and still), so its writes are blocked.
+fn stalled_reader(server: &Server) -> TcpStream {
+    let port: u16 = server.addr().rsplit(':').next().unwrap().parse().unwrap();
+    let mut s = connect_small_window(server);
+    post_chat(&mut s, LONG);
+    let (mut last, mut since) = (0, Instant::now());
+    let t = Instant::now();
+    while last < 8192 || since.elapsed() < Duration::from_millis(1500) {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the server's writes never blocked"
+        );
+        let queued = server_send_queue(port).unwrap_or(0);
+        if queued != last {
+            (last, since) = (queued, Instant::now());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    s
+}
+
+#[test]
+fn a_client_that_stops_reading_is_disconnected() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fast_model(tmp.path());
+    let server = Server::start(
+        &model,
+        &[
+            "-c",
+            "8192",
+            "--max-gen-length",
+            "4000",
+            "--idle-timeout",
+            "1",
+            "--max-connections",
+            "1",
+        ],
+    );
+    // It holds the only slot with a request in flight (not evictable) until its writes have
+    // been blocked for the idle timeout; then it is closed and its generation cancelled.
+    let mut s = connect_small_window(&server);
+    post_chat(&mut s, LONG);
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    while health(&server) != 200 {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the stalled reader kept its connection"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    server
+        .wait_log("cancelled", Duration::from_secs(10))
+        .expect("the generation was not cancelled");
+    let mut buf = vec![0u8; 1 << 20];
+    let t = Instant::now();
+    while s.read(&mut buf).map(|n| n > 0).unwrap_or(false) {
+        assert!(t.elapsed() < Duration::from_secs(20), "the stream went on");
+    }
 }
 
 #[test]
 fn a_second_signal_exits_at_once() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tiny_refusion_gguf(tmp.path());
+    let model = fast_model(tmp.path());
     let mut server = Server::start(
         &model,
-        &["--shutdown-timeout", "120", "--body-timeout", "120"],
+        &[
+            "-c",
+            "8192",
+            "--max-gen-length",
+            "4000",
+            "--idle-timeout",
+            "120",
+            "--shutdown-timeout",
+            "120",
+        ],
     );
-    // A request whose body never comes is in flight: the drain would wait for it.
-    let mut stalled = connect(&server);
-    stalled
-        .write_all(
-            format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{{").as_bytes(),
-        )
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // An answer the client does not read keeps the drain waiting.
+    let _stalled = stalled_reader(&server);
     server.signal("-TERM");
     server
         .wait_log("shutting down", Duration::from_secs(10))
         .expect("no shutdown message");
-    assert!(
-        server.wait_exit(Duration::from_millis(500)).is_none(),
-        "exited before the drain"
-    );
+    if let Some(status) = server.wait_exit(Duration::from_secs(1)) {
+        let log = server
+            .wait_log("stopped", Duration::from_secs(1))
+            .unwrap_or_else(|l| l);
+        panic!("exited before the drain ({status:?}):\n{log}");
+    }
     server.signal("-INT");
     let status = server
         .wait_exit(Duration::from_secs(5))
         .expect("the second signal did not exit");
     assert_eq!(status.code(), Some(130), "{status:?}");
+    server
+        .wait_log("second SIGINT: exiting now", Duration::from_secs(5))
+        .expect("no exit message");
 }

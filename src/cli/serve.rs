@@ -59,9 +59,29 @@ pub struct ServeArgs {
 /// A positive, finite number of seconds.
 fn seconds(flag: &str, v: f64) -> Result<Duration> {
     if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
-        anyhow::bail!("{flag} must be between 0 and 86400 seconds, got {v}");
+        anyhow::bail!("{flag} must be more than 0 and at most 86400 seconds, got {v}");
     }
     Ok(Duration::from_secs_f64(v))
+}
+
+/// The cap only protects the process if it opens fewer connections than it may have files:
+/// says so when `ulimit -n` (Linux's soft limit, read from /proc) is lower.
+fn warn_if_beyond_fd_limit(max_connections: usize) {
+    let soft = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|l| {
+            l.lines()
+                .find(|l| l.starts_with("Max open files"))
+                .and_then(|l| l.split_whitespace().nth(3))
+                .and_then(|v| v.parse::<usize>().ok())
+        });
+    // Files the process holds besides connections: the model, the KV cache, stdio, the runtime.
+    const OTHER_FILES: usize = 64;
+    if let Some(soft) = soft.filter(|&s| max_connections + OTHER_FILES > s) {
+        eprintln!(
+            "warning: --max-connections {max_connections} is near or beyond the open-file limit ({soft}): raise `ulimit -n` or lower --max-connections"
+        );
+    }
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
@@ -70,9 +90,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
         anyhow::bail!("--queue must be at least 1");
     }
     check_access(a.host, a.api_key.as_deref())?;
-    if a.max_connections == 0 {
-        anyhow::bail!("--max-connections must be at least 1");
+    if !(1..=65_536).contains(&a.max_connections) {
+        anyhow::bail!(
+            "--max-connections must be between 1 and 65536, got {}",
+            a.max_connections
+        );
     }
+    warn_if_beyond_fd_limit(a.max_connections);
     let conn = ConnLimits {
         headers: seconds("--header-timeout", a.header_timeout)?,
         body: seconds("--body-timeout", a.body_timeout)?,

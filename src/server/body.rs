@@ -10,8 +10,9 @@ use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
 
 use super::api::ApiError;
+use super::conn::BodyWatch;
 
-/// What `read_body` allows (`--max-body-bytes`, `--body-timeout`).
+/// What a request body may be (`--max-body-bytes`, `--body-timeout`).
 #[derive(Clone, Copy)]
 pub struct BodyLimits {
     pub max_bytes: usize,
@@ -23,6 +24,7 @@ pub struct BodyLimits {
 /// close" of nginx and others). Beyond it the connection is simply closed after the answer.
 const DISCARD_BYTES: usize = 64 << 20;
 
+/// Why a body could not be had.
 enum BodyError {
     TooLarge,
     Read(axum::Error),
@@ -34,7 +36,12 @@ enum BodyError {
 pub async fn read_body(State(limits): State<BodyLimits>, req: Request, next: Next) -> Response {
     let (parts, body) = req.into_parts();
     let read = collect(body, limits.max_bytes);
-    let bytes = match tokio::time::timeout(limits.timeout, read).await {
+    let read = tokio::time::timeout(limits.timeout, read).await;
+    // The connection now has nothing more to receive for this request.
+    if let Some(watch) = parts.extensions.get::<BodyWatch>() {
+        watch.received();
+    }
+    let bytes = match read {
         Ok(Ok(bytes)) => bytes,
         Ok(Err(BodyError::TooLarge)) => return too_large(limits.max_bytes).into_response(),
         Ok(Err(BodyError::Read(e))) => {
@@ -58,6 +65,33 @@ pub async fn read_body(State(limits): State<BodyLimits>, req: Request, next: Nex
     };
     next.run(Request::from_parts(parts, Body::from(bytes)))
         .await
+}
+
+/// Reads and drops the body of a request we refuse, so the client reads the refusal instead of
+/// a reset (a close with its upload unread): at most `max_bytes`, none of it kept, for at most
+/// 5 s. A body announced larger than `max_bytes` is not waited for.
+pub async fn discard_body(req: Request, limits: BodyLimits) {
+    let (parts, mut body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_none_or(|n| n <= limits.max_bytes as u64) {
+        let drain = async {
+            let mut seen = 0usize;
+            while let Some(Ok(frame)) = body.frame().await {
+                seen = seen.saturating_add(frame.data_ref().map_or(0, |d| d.len()));
+                if seen > limits.max_bytes {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(limits.timeout.min(Duration::from_secs(5)), drain).await;
+    }
+    if let Some(watch) = parts.extensions.get::<BodyWatch>() {
+        watch.received();
+    }
 }
 
 /// Reads the whole body, or, once it passes `max`, reads on and drops up to [`DISCARD_BYTES`]
@@ -87,7 +121,7 @@ async fn collect(mut body: Body, max: usize) -> Result<Bytes, BodyError> {
     }
 }
 
-pub fn too_large(max: usize) -> ApiError {
+fn too_large(max: usize) -> ApiError {
     ApiError::new(
         StatusCode::PAYLOAD_TOO_LARGE,
         "invalid_request_error",

@@ -8,6 +8,7 @@
 pub mod api;
 mod body;
 mod conn;
+mod signals;
 pub mod worker;
 
 use std::net::{IpAddr, SocketAddr};
@@ -30,8 +31,9 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 use self::api::{parse, ApiError, ChatRequest, CompletionRequest, PromptField};
-use self::body::{read_body, BodyLimits};
+use self::body::{discard_body, read_body, BodyLimits};
 pub use self::conn::ConnLimits;
+use self::signals::Signals;
 use self::worker::{Job, JobInput, Limits, Msg, Shutdown};
 use crate::chat::Message;
 use crate::error::{Error, Result};
@@ -53,6 +55,7 @@ struct AppState {
     api_key: Option<String>,
     queue: usize,
     next_id: AtomicU64,
+    body: BodyLimits,
 }
 
 /// Sets the job's cancel flag when dropped: the response (or its stream) went away.
@@ -76,12 +79,17 @@ fn now() -> u64 {
 async fn require_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if req.uri().path() != "/health" {
         if let Err(e) = check_key(state.api_key.as_deref(), req.headers()) {
+            // The body is read and dropped (bounded), not kept: the client gets its 401
+            // instead of a reset from a close with its upload unread.
+            discard_body(req, state.body).await;
             return e.into_response();
         }
     }
     next.run(req).await
 }
 
+/// `Authorization: Bearer KEY` against the server's key (if it has one): 401 when missing or
+/// wrong.
 fn check_key(key: Option<&str>, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = key else {
         return Ok(());
@@ -351,9 +359,16 @@ async fn not_found() -> Response {
 /// Refuses an empty API key (it would match nothing sent, or look like protection while being
 /// none) and an address beyond loopback without a key. Called before the model loads.
 pub fn check_access(host: IpAddr, api_key: Option<&str>) -> Result<()> {
-    if api_key.is_some_and(|k| k.trim().is_empty()) {
+    if api_key.is_some_and(|k| k.is_empty()) {
         return Err(Error::msg(
             "--api-key must not be empty: pass a secret, or leave the flag out on loopback",
+        ));
+    }
+    // HTTP trims spaces around header values and carries only visible ASCII in a bearer token:
+    // such a key could never be matched.
+    if api_key.is_some_and(|k| !k.bytes().all(|b| b.is_ascii_graphic())) {
+        return Err(Error::msg(
+            "--api-key must be visible ASCII characters only (no spaces or control characters)",
         ));
     }
     if !host.is_loopback() && api_key.is_none() {
@@ -365,9 +380,10 @@ pub fn check_access(host: IpAddr, api_key: Option<&str>) -> Result<()> {
 }
 
 /// Runs the server until Ctrl-C or SIGTERM. The first signal stops accepting, cancels the
-/// generation in progress and the queued requests (they get 503), closes idle and half-sent
-/// connections and gives responses in flight `--shutdown-timeout` to end, then returns; a second
-/// signal exits the process at once (code 130).
+/// generation in progress and the queued requests (they get 503), closes connections with
+/// nothing in flight and gives responses in flight until `--shutdown-timeout` after it, by
+/// which time the worker must have stopped too; then it returns. A second signal exits the
+/// process at once (code 130).
 pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
     check_access(cfg.host, cfg.api_key.as_deref())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -376,11 +392,11 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
         .build()
         .map_err(|e| Error::msg(format!("cannot start the async runtime: {e}")))?;
     let addr = SocketAddr::new(cfg.host, cfg.port);
-    let (listener, mut signals) = rt.block_on(async {
+    let (listener, signals) = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| Error::msg(format!("cannot listen on {addr}: {e}")))?;
-        Ok::<_, Error>((listener, signals::Signals::new()?))
+        Ok::<_, Error>((listener, Signals::new()?))
     })?;
     let local = listener
         .local_addr()
@@ -393,62 +409,74 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
         .name("refusion-worker".into())
         .spawn(move || worker::run(loaded, limits, jobs_rx, &worker_shutdown))
         .map_err(|e| Error::msg(format!("cannot start the worker: {e}")))?;
-    let app = router(
-        AppState {
-            jobs: jobs_tx,
-            model: cfg.model_name.clone(),
-            api_key: cfg.api_key.clone(),
-            queue: cfg.queue,
-            next_id: AtomicU64::new(1),
-        },
-        BodyLimits {
-            max_bytes: cfg.max_body_bytes,
-            timeout: cfg.conn.body,
-        },
-    );
+    let body = BodyLimits {
+        max_bytes: cfg.max_body_bytes,
+        timeout: cfg.conn.body,
+    };
+    let app = router(AppState {
+        jobs: jobs_tx,
+        model: cfg.model_name.clone(),
+        api_key: cfg.api_key.clone(),
+        queue: cfg.queue,
+        next_id: AtomicU64::new(1),
+        body,
+    });
     eprintln!(
         "refusion serve: listening on http://{local} (model '{}')",
         cfg.model_name
     );
-    let grace = cfg.conn.grace;
-    let left = rt.block_on(async move {
-        let stop = async move {
-            let name = signals.next().await;
-            let busy = shutdown.request();
+    rt.block_on(async move {
+        let stop = first_signal(signals, shutdown, cfg.conn.grace);
+        let (deadline, left) = conn::run(listener, app, cfg.conn, stop).await;
+        if left > 0 {
+            eprintln!("refusion serve: closed {left} connection(s) still open at the deadline");
+        }
+        // The router, and with it the job queue's sender, is gone: the worker ends after its
+        // current job, which was cancelled. Waited for here, on the runtime, so that the
+        // second-signal task still runs.
+        while !worker.is_finished() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        if !worker.is_finished() {
             eprintln!(
-                "refusion serve: {name}: shutting down ({}; responses in flight get {} s; a second signal exits at once)",
-                if busy { "cancelling the generation in progress" } else { "no generation in progress" },
-                grace.as_secs_f64()
+                "refusion serve: the generation did not stop by the deadline; exiting anyway"
             );
-            tokio::spawn(async move {
-                let name = signals.next().await;
-                eprintln!("refusion serve: second {name}: exiting now");
-                std::process::exit(130);
-            });
-        };
-        conn::run(listener, app, cfg.conn, stop).await
+        }
     });
-    if left > 0 {
-        eprintln!("refusion serve: closed {left} connection(s) still open after the grace period");
-    }
-    rt.shutdown_timeout(std::time::Duration::from_millis(200));
-    // The router (and the job queue's sender) is gone, so the worker ends after its current job,
-    // which was cancelled; wait for it, boundedly.
-    let waited = std::time::Instant::now();
-    while !worker.is_finished() && waited.elapsed() < grace {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    rt.shutdown_timeout(std::time::Duration::from_millis(100));
     eprintln!("refusion serve: stopped");
     Ok(())
 }
 
-fn router(state: AppState, body: BodyLimits) -> Router {
+/// Resolves at the first SIGINT/SIGTERM, after cancelling the generation in progress (and, via
+/// `shutdown`, every queued job) and arming the second signal to exit at once.
+async fn first_signal(mut signals: Signals, shutdown: Arc<Shutdown>, grace: std::time::Duration) {
+    let name = signals.next().await;
+    let busy = shutdown.request();
+    eprintln!(
+        "refusion serve: {name}: shutting down ({}; responses in flight get {} s; a second signal exits at once)",
+        if busy { "cancelling the generation in progress" } else { "no generation in progress" },
+        grace.as_secs_f64()
+    );
+    tokio::spawn(async move {
+        let name = signals.next().await;
+        eprintln!("refusion serve: second {name}: exiting now");
+        std::process::exit(130);
+    });
+}
+
+/// The routes, each answering 405 with the error object to other methods, behind the API key
+/// check (outermost, before the body is read) and the body reader.
+fn router(state: AppState) -> Router {
     let state = Arc::new(state);
     Router::new()
-        .route("/health", get(health).fallback(method_not_allowed("GET")))
+        .route(
+            "/health",
+            get(health).fallback(method_not_allowed("GET, HEAD")),
+        )
         .route(
             "/v1/models",
-            get(models).fallback(method_not_allowed("GET")),
+            get(models).fallback(method_not_allowed("GET, HEAD")),
         )
         .route(
             "/v1/chat/completions",
@@ -459,56 +487,9 @@ fn router(state: AppState, body: BodyLimits) -> Router {
             post(completions).fallback(method_not_allowed("POST")),
         )
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(body.max_bytes))
-        .layer(middleware::from_fn_with_state(body, read_body))
+        // `read_body` enforces the limit; this lifts axum's own 2 MB default for the handlers.
+        .layer(DefaultBodyLimit::max(state.body.max_bytes))
+        .layer(middleware::from_fn_with_state(state.body, read_body))
         .layer(middleware::from_fn_with_state(state.clone(), require_key))
         .with_state(state)
-}
-
-mod signals {
-    //! SIGINT and SIGTERM as a stream of names, so the first starts shutdown and the second
-    //! exits.
-
-    use crate::error::{Error, Result};
-
-    pub struct Signals {
-        #[cfg(unix)]
-        int: tokio::signal::unix::Signal,
-        #[cfg(unix)]
-        term: tokio::signal::unix::Signal,
-    }
-
-    impl Signals {
-        /// Installs the handlers (inside the runtime): from here on the signals are ours.
-        pub fn new() -> Result<Signals> {
-            #[cfg(unix)]
-            {
-                use tokio::signal::unix::{signal, SignalKind};
-                let install = |kind| {
-                    signal(kind).map_err(|e| Error::msg(format!("cannot handle signals: {e}")))
-                };
-                Ok(Signals {
-                    int: install(SignalKind::interrupt())?,
-                    term: install(SignalKind::terminate())?,
-                })
-            }
-            #[cfg(not(unix))]
-            Ok(Signals {})
-        }
-
-        pub async fn next(&mut self) -> &'static str {
-            #[cfg(unix)]
-            {
-                tokio::select! {
-                    _ = self.int.recv() => "SIGINT",
-                    _ = self.term.recv() => "SIGTERM",
-                }
-            }
-            #[cfg(not(unix))]
-            {
-                let _ = tokio::signal::ctrl_c().await;
-                "Ctrl-C"
-            }
-        }
-    }
 }

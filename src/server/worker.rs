@@ -64,6 +64,7 @@ impl Shutdown {
         current.is_some()
     }
 
+    /// Whether shutdown has begun.
     pub fn requested(&self) -> bool {
         self.requested.load(Ordering::SeqCst)
     }
@@ -80,11 +81,13 @@ impl Shutdown {
         !self.requested()
     }
 
+    /// The registered job has finished.
     fn end(&self) {
         *self.slot() = None;
     }
 }
 
+/// The answer to a job cancelled, or never started, because of shutdown.
 fn shutting_down() -> ApiError {
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,

@@ -1,0 +1,252 @@
+//! Connections: the accept loop, the cap on open connections, the per-connection timeouts and
+//! the bounded drain at shutdown.
+//!
+//! Written by hand over hyper's connection API because `axum::serve` has no timeouts at all (a
+//! client that stops halfway through its headers holds its connection, and its file descriptor,
+//! forever) and hyper's own header timeout starts when hyper begins waiting for a request, so it
+//! cannot tell an idle keep-alive connection from a stalled request. Here a watchdog per
+//! connection follows it through its states ([`tracker::Tracker::watch`]):
+//!
+//! - **idle** (just opened, or after a response): closed after `idle`;
+//! - **a request begun** (bytes arrived, headers not complete): closed after `headers` from the
+//!   first byte;
+//! - **a request in flight**: its body must arrive within `body` (enforced where the body is
+//!   read, `super::body`, which answers 408); the answer is not timed, as generation may be
+//!   slow, but a client that stops reading it (writes refused) for `idle` is disconnected.
+//!   Bytes of a pipelined next request that arrive meanwhile are timed only once it is idle.
+//!
+//! At the cap (`max_connections`) a new connection takes the place of the connection that has
+//! waited longest with nothing in flight; only when every connection has a request in flight is
+//! it answered 503. At shutdown, connections with nothing in flight or a body still coming are
+//! closed at once; the others are told to close after their response, which must end by the
+//! drain deadline.
+
+mod io;
+mod tracker;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::Request;
+use axum::Router;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::{sleep_until, timeout, Instant};
+use tower::ServiceExt;
+
+use self::io::{InFlight, TrackedBody, WatchedIo};
+pub use self::tracker::BodyWatch;
+use self::tracker::Tracker;
+
+/// The connection limits (`refusion serve`'s `--*-timeout` and `--max-connections`).
+#[derive(Debug, Clone, Copy)]
+pub struct ConnLimits {
+    /// From a request's first byte until hyper has its headers.
+    pub headers: Duration,
+    /// From the headers until the whole body has arrived.
+    pub body: Duration,
+    /// A keep-alive connection with no request in flight, or a client not reading its answer.
+    pub idle: Duration,
+    /// How long responses in flight may take to finish once shutdown starts.
+    pub grace: Duration,
+    /// Open connections at most; beyond it idle ones make room, else 503.
+    pub max_connections: usize,
+}
+
+/// Bytes of send buffer asked of the kernel per connection (Linux doubles it for bookkeeping).
+const SEND_BUFFER: usize = 16 << 10;
+
+/// Sleeps until `deadline`, or forever without one.
+async fn until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Serves one connection until it ends, times out, is evicted or shutdown closes it. The
+/// shutdown channel carries the drain deadline.
+async fn serve_connection(
+    stream: TcpStream,
+    tracker: Arc<Tracker>,
+    app: Router,
+    limits: ConnLimits,
+    mut shutdown: watch::Receiver<Option<Instant>>,
+) {
+    let _ = stream.set_nodelay(true);
+    // The kernel would grow a socket's send buffer to megabytes for a client that does not
+    // read; a fixed one bounds that memory and lets a stalled reader show soon. Answers here
+    // are text: 32 KiB in flight carries ~160 KB/s even at 200 ms of round trip.
+    let _ = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER);
+    let io = TokioIo::new(WatchedIo {
+        inner: stream,
+        tracker: tracker.clone(),
+    });
+    let t = tracker.clone();
+    let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        t.request_started();
+        req.extensions_mut().insert(BodyWatch(t.clone()));
+        let in_flight = InFlight(t.clone());
+        let app = app.clone();
+        async move {
+            let resp = app.oneshot(req.map(Body::new)).await?;
+            Ok::<_, Infallible>(resp.map(|inner| TrackedBody {
+                inner,
+                _in_flight: in_flight,
+            }))
+        }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .keep_alive(true)
+        .header_read_timeout(None)
+        // Per connection at most 64 KiB of headers read and of answer queued (hyper's default
+        // is ~400 KiB): many connections cannot pin much memory.
+        .max_buf_size(64 << 10)
+        .serve_connection(io, service);
+    tokio::pin!(conn);
+    let mut drain: Option<Instant> = None;
+    let mut closing = false;
+    loop {
+        let w = tracker.watch(&limits);
+        if (drain.is_some() || tracker.evicted()) && !closing {
+            if w.closable {
+                return; // dropping the connection closes the socket
+            }
+            // Finish the answer in flight, then close (no keep-alive).
+            conn.as_mut().graceful_shutdown();
+            closing = true;
+        }
+        let deadline = match (w.deadline, drain) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        tokio::select! {
+            _ = conn.as_mut() => return,
+            _ = tracker.changed.notified() => {}
+            _ = shutdown.changed(), if drain.is_none() => {
+                drain = Some((*shutdown.borrow()).unwrap_or_else(Instant::now));
+            }
+            _ = until(deadline) => {
+                let drained = drain.is_some_and(|d| Instant::now() >= d);
+                if drained || tracker.epoch() == w.epoch {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Over the cap: a 503 in the API's error format, then a lingering close (the request is read
+/// and dropped for a moment, so the client reads the answer instead of a reset). Bounded in time
+/// and bytes.
+async fn refuse(mut stream: TcpStream, max: usize) {
+    let body = super::api::ApiError::new(
+        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+        "server_busy",
+        format!("too many open connections (the limit is {max}); retry later"),
+    )
+    .body()
+    .to_string();
+    let msg = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = timeout(Duration::from_secs(1), async {
+        stream.write_all(msg.as_bytes()).await?;
+        stream.shutdown().await?;
+        let mut sink = [0u8; 16 << 10];
+        let mut left = 1usize << 20;
+        while left > 0 {
+            match stream.read(&mut sink).await? {
+                0 => break,
+                n => left = left.saturating_sub(n),
+            }
+        }
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
+}
+
+/// At the cap, picks the connection that has waited longest with nothing in flight (idle, or a
+/// request's headers still coming) and tells it to close; false when every one is busy. So
+/// silent connections cannot lock out real clients: only requests in flight fill the cap.
+fn evict_idlest(live: &mut Vec<Arc<Tracker>>) -> bool {
+    // A tracker only the accept loop holds belongs to a connection that has ended.
+    live.retain(|t| Arc::strong_count(t) > 1);
+    let idlest = live
+        .iter()
+        .filter_map(|t| t.evictable_since().map(|since| (since, t)))
+        .min_by_key(|(since, _)| *since);
+    match idlest {
+        Some((_, t)) => {
+            t.evict();
+            true
+        }
+        None => false,
+    }
+}
+
+/// Accepts connections until `stop` resolves, then drains until `limits.grace` after that:
+/// connections with nothing in flight close at once, responses in flight may finish. Returns
+/// the drain deadline and how many connections were still open at it (closed by dropping them).
+pub async fn run(
+    listener: TcpListener,
+    app: Router,
+    limits: ConnLimits,
+    stop: impl Future<Output = ()>,
+) -> (Instant, usize) {
+    let max = limits.max_connections.max(1);
+    let slots = Arc::new(Semaphore::new(max));
+    let (shutdown_tx, shutdown_rx) = watch::channel(None);
+    let mut conns = JoinSet::new();
+    let mut live: Vec<Arc<Tracker>> = Vec::new();
+    tokio::pin!(stop);
+    loop {
+        let stream = tokio::select! {
+            _ = &mut stop => break,
+            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // Out of file descriptors and the like: wait instead of spinning.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let ready = slots.clone().try_acquire_owned().ok();
+        if ready.is_none() && !evict_idlest(&mut live) {
+            conns.spawn(refuse(stream, max));
+            continue;
+        }
+        let tracker = Tracker::new();
+        live.push(tracker.clone());
+        let (slots, app, rx) = (slots.clone(), app.clone(), shutdown_rx.clone());
+        conns.spawn(async move {
+            // After an eviction the slot frees as soon as that connection closes.
+            let permit = match ready {
+                Some(p) => p,
+                None => match timeout(Duration::from_secs(1), slots.acquire_owned()).await {
+                    Ok(Ok(p)) => p,
+                    _ => return refuse(stream, max).await,
+                },
+            };
+            serve_connection(stream, tracker, app, limits, rx).await;
+            drop(permit);
+        });
+    }
+    drop(listener);
+    let deadline = Instant::now() + limits.grace;
+    let _ = shutdown_tx.send(Some(deadline));
+    while let Ok(Some(_)) = tokio::time::timeout_at(deadline, conns.join_next()).await {}
+    let left = conns.len();
+    conns.abort_all();
+    (deadline, left)
+}
