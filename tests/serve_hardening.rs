@@ -279,6 +279,12 @@ fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
     // One place was needed at a time: the oldest silent connection gave it up.
     closed_within(&mut silent[0], Duration::from_secs(10))
         .expect("the oldest silent connection kept its place");
+    // A flood of silent connections does not lock a real request out either (each newcomer
+    // inherits the place of the connection it evicted).
+    let flood: Vec<TcpStream> = (0..60).map(|_| connect(&server)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(health(&server), 200);
+    drop(flood);
     // Requests in flight (bodies still coming) are never evicted: beyond them, 503.
     let mut busy: Vec<TcpStream> = (0..3)
         .map(|_| {

@@ -36,7 +36,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::{sleep_until, timeout, Instant};
 use tower::ServiceExt;
@@ -175,22 +175,20 @@ async fn refuse(mut stream: TcpStream, max: usize) {
 }
 
 /// At the cap, picks the connection that has waited longest with nothing in flight (idle, or a
-/// request's headers still coming) and tells it to close; false when every one is busy. So
-/// silent connections cannot lock out real clients: only requests in flight fill the cap.
-fn evict_idlest(live: &mut Vec<Arc<Tracker>>) -> bool {
+/// request's headers still coming) and tells it to close and hand its place over; `None` when
+/// every one is busy. So silent connections cannot lock out real clients: only requests in
+/// flight fill the cap.
+fn evict_idlest(live: &mut Vec<Arc<Tracker>>) -> Option<oneshot::Receiver<OwnedSemaphorePermit>> {
     // A tracker only the accept loop holds belongs to a connection that has ended.
     live.retain(|t| Arc::strong_count(t) > 1);
     let idlest = live
         .iter()
         .filter_map(|t| t.evictable_since().map(|since| (since, t)))
         .min_by_key(|(since, _)| *since);
-    match idlest {
-        Some((_, t)) => {
-            t.evict();
-            true
-        }
-        None => false,
-    }
+    let (_, victim) = idlest?;
+    let (heir, place) = oneshot::channel();
+    victim.evict(heir);
+    Some(place)
 }
 
 /// Accepts connections until `stop` resolves, then drains until `limits.grace` after that:
@@ -221,25 +219,31 @@ pub async fn run(
                 }
             },
         };
-        let ready = slots.clone().try_acquire_owned().ok();
-        if ready.is_none() && !evict_idlest(&mut live) {
-            conns.spawn(refuse(stream, max));
-            continue;
-        }
+        let place = match slots.clone().try_acquire_owned() {
+            Ok(p) => Ok(p),
+            Err(_) => match evict_idlest(&mut live) {
+                Some(inherited) => Err(inherited),
+                None => {
+                    conns.spawn(refuse(stream, max));
+                    continue;
+                }
+            },
+        };
         let tracker = Tracker::new();
         live.push(tracker.clone());
-        let (slots, app, rx) = (slots.clone(), app.clone(), shutdown_rx.clone());
+        let (app, rx) = (app.clone(), shutdown_rx.clone());
         conns.spawn(async move {
-            // After an eviction the slot frees as soon as that connection closes.
-            let permit = match ready {
-                Some(p) => p,
-                None => match timeout(Duration::from_secs(1), slots.acquire_owned()).await {
+            // An evicted connection hands its place over as soon as it has closed.
+            let place = match place {
+                Ok(p) => p,
+                Err(inherited) => match timeout(Duration::from_secs(1), inherited).await {
                     Ok(Ok(p)) => p,
                     _ => return refuse(stream, max).await,
                 },
             };
-            serve_connection(stream, tracker, app, limits, rx).await;
-            drop(permit);
+            tracker.admit();
+            serve_connection(stream, tracker.clone(), app, limits, rx).await;
+            tracker.release(place);
         });
     }
     drop(listener);

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit};
 use tokio::time::Instant;
 
 use super::ConnLimits;
@@ -32,6 +32,10 @@ pub struct Tracker {
     pub changed: Notify,
     /// Set by the accept loop to make room under the cap.
     evicted: AtomicBool,
+    /// Who gets this connection's place under the cap when it closes (after an eviction).
+    heir: Mutex<Option<oneshot::Sender<OwnedSemaphorePermit>>>,
+    /// The connection holds a place under the cap (a waiting one frees none when evicted).
+    admitted: AtomicBool,
     /// Mirrors `state.blocked.is_some()`, so writes that go through take no lock.
     write_blocked: AtomicBool,
 }
@@ -60,6 +64,8 @@ impl Tracker {
             }),
             changed: Notify::new(),
             evicted: AtomicBool::new(false),
+            heir: Mutex::new(None),
+            admitted: AtomicBool::new(false),
             write_blocked: AtomicBool::new(false),
         })
     }
@@ -159,16 +165,34 @@ impl Tracker {
         self.lock().epoch
     }
 
-    /// Since when it has had nothing in flight, if so and not already evicted.
-    pub fn evictable_since(&self) -> Option<Instant> {
-        let s = self.lock();
-        (s.in_flight == 0 && !self.evicted.load(Ordering::SeqCst)).then_some(s.since)
+    /// The connection got its place under the cap and is being served.
+    pub fn admit(&self) {
+        self.admitted.store(true, Ordering::SeqCst);
     }
 
-    /// Asks the connection to close as soon as nothing is in flight.
-    pub fn evict(&self) {
+    /// Since when it has had nothing in flight, if so, admitted and not already evicted.
+    pub fn evictable_since(&self) -> Option<Instant> {
+        let s = self.lock();
+        let candidate =
+            self.admitted.load(Ordering::SeqCst) && !self.evicted.load(Ordering::SeqCst);
+        (candidate && s.in_flight == 0).then_some(s.since)
+    }
+
+    /// Asks the connection to close as soon as nothing is in flight and hand its place to
+    /// `heir` (directly: a newcomer taking a free place first cannot leave the heir without).
+    pub fn evict(&self, heir: oneshot::Sender<OwnedSemaphorePermit>) {
+        *self.heir.lock().unwrap_or_else(|e| e.into_inner()) = Some(heir);
         self.evicted.store(true, Ordering::SeqCst);
         self.changed.notify_one();
+    }
+
+    /// The closed connection's place: to its heir if it was evicted, else back to the pool.
+    pub fn release(&self, place: OwnedSemaphorePermit) {
+        let heir = self.heir.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(heir) = heir {
+            // An heir that gave up waiting returns the place to the pool (dropped here).
+            let _ = heir.send(place);
+        }
     }
 
     /// Whether [`Tracker::evict`] was called.
@@ -208,7 +232,12 @@ mod tests {
         let start = Instant::now();
         let w = t.watch(&l);
         assert_eq!(w.deadline, Some(start + l.idle));
-        assert!(w.closable && t.evictable_since().is_some());
+        assert!(
+            w.closable && t.evictable_since().is_none(),
+            "not admitted yet"
+        );
+        t.admit();
+        assert!(t.evictable_since().is_some());
         tokio::time::advance(Duration::from_millis(500)).await;
         t.on_read();
         let w2 = t.watch(&l);
@@ -238,7 +267,8 @@ mod tests {
         let w = t.watch(&l);
         assert_eq!(w.deadline, Some(Instant::now() + l.idle));
         assert!(w.closable);
-        t.evict();
+        let (heir, _) = oneshot::channel();
+        t.evict(heir);
         assert!(t.evicted() && t.evictable_since().is_none());
     }
 }
