@@ -203,6 +203,7 @@ pub fn resident_bytes() -> Option<u64> {
 
 pub fn load(opts: &LoadOptions) -> Result<Loaded> {
     let start = Instant::now();
+    crate::model::kquants::check_env().map_err(Error::msg)?;
     let file = Arc::new(GgufFile::open(&opts.path)?);
     let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
     // The tokenizer (a vocabulary and merge table to build) loads beside the weights; its
@@ -268,13 +269,14 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
     let load_seconds = start.elapsed().as_secs_f64();
     if opts.verbose {
         eprintln!(
-            "loaded {} ({} layers, hidden {}, vocab {}) on {:?} in {:.2} s",
+            "loaded {} ({} layers, hidden {}, vocab {}) on {:?} in {:.2} s (kernels: {})",
             Path::new(&opts.path).display(),
             cfg.n_layers,
             cfg.hidden,
             cfg.vocab,
             device.location(),
             load_seconds,
+            crate::model::kquants::path_name(),
         );
     }
     Ok(Loaded {

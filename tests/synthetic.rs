@@ -99,3 +99,82 @@ fn an_unknown_synthetic_shape_is_refused() {
     assert_fails_with(&o, &["unknown synthetic shape '70b'", "8b"]);
     assert!(!out.exists());
 }
+
+/// Every kernel path this CPU runs (`REFUSION_CPU`) gives the same answer on a real-sized
+/// Q4_K_M file: the packed rows compute the same float operations in the same order on 512-
+/// and 256-bit vectors (only the output matrix's 7 tail rows are summed differently). The load
+/// line names the path; an unknown or unavailable path is refused in one line, before loading.
+#[test]
+fn every_kernel_path_gives_the_same_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("syn.gguf");
+    let o = run(&[
+        "convert",
+        "--synthetic",
+        "0.6b",
+        "--outtype",
+        "q4_k_m",
+        "-o",
+        out.to_str().unwrap(),
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let generate = |path: &str| {
+        std::process::Command::new(bin())
+            .env("REFUSION_CPU", path)
+            .args([
+                "generate",
+                "-m",
+                out.to_str().unwrap(),
+                "--prompt-ids",
+                "1,2,3,4,5",
+            ])
+            .args([
+                "-n",
+                "16",
+                "--slot-size",
+                "4",
+                "--serial-blocks",
+                "2",
+                "-c",
+                "64",
+                "-t",
+                "2",
+            ])
+            .arg("--json")
+            .output()
+            .unwrap()
+    };
+    let ours: Vec<&str> = ["avx2", "avxvnni", "avx512"]
+        .into_iter()
+        .filter(|p| {
+            refusion::model::kquants::CpuPath::runnable()
+                .iter()
+                .any(|r| r.name() == *p)
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for path in &ours {
+        let o = generate(path);
+        assert!(o.status.success(), "{path}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains(&format!("(kernels: {path})")),
+            "{}",
+            stderr(&o)
+        );
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        answers.push((path, v["tokens"].clone()));
+    }
+    for (path, tokens) in &answers {
+        assert_eq!(
+            tokens, &answers[0].1,
+            "{path} differs from {}",
+            answers[0].0
+        );
+    }
+    let o = generate("generic");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("(kernels: candle)"), "{}", stderr(&o));
+    let o = generate("sse9");
+    assert_fails_with(&o, &["REFUSION_CPU=sse9: unknown kernel path"]);
+}

@@ -88,6 +88,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         cache.commit_row(0)?;
     }
     if !a.json {
+        eprintln!("kernels: {}", crate::model::kquants::path_name());
         if let Some(rss) = rss {
             eprintln!(
                 "resident memory after load: {} (file {})",
@@ -146,6 +147,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     "ms_per_forward": median * 1e3,
                     "threads": threads,
                     "backend": backend,
+                    "kernels": crate::model::kquants::path_name(),
                 })
             );
         } else {

@@ -1,4 +1,4 @@
-//! Q4_K and Q6_K matrix products on x86 with AVX-512 VNNI.
+//! Q4_K and Q6_K matrix products on x86: AVX-512 VNNI, AVX-VNNI and AVX2.
 //!
 //! candle's fast x86 kernels multiply a repacked copy of each weight that is larger than the
 //! file's blocks (Q4_K 1.33x, Q6_K 1.52x: scales expanded to f32, Q6_K's quants to bytes),
@@ -8,19 +8,25 @@
 //! on all cores, after which the file's pages are released. In a tile, four consecutive
 //! values of all 16 rows sit in 64 bytes, so one `vpdpbusd` with a broadcast group of four
 //! activations multiplies 16 rows, for one token as for many (llama.cpp's and candle's
-//! repacked kernels work the same way).
+//! repacked kernels work the same way); with 256-bit vectors ([`avx2`]) a line is two halves
+//! of 8 rows.
 //!
 //! Activations are quantized once per product (shared by q/k/v and by gate/up) to 8-bit
 //! blocks of 256 ([`Q8K`], ggml's Q8_K), stored in an order that lines up with Q4_K's
-//! nibbles. Work is spread over candle's worker pool in runs of 16 rows. Without AVX-512
-//! F/BW/VL/VNNI [`available`] is false and the model uses candle's kernels.
+//! nibbles. Work is spread over candle's worker pool in runs of 16 rows.
+//!
+//! The kernel path ([`CpuPath`]) is the best the CPU has, or the lower one `REFUSION_CPU`
+//! names; on other CPUs (and `generic`) [`available`] is false and the model uses candle's
+//! kernels.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod scalar;
 
 use refusion_convert::gguf::GgmlType;
 
 /// Values per super-block.
 const QK: usize = 256;
-/// Activation rows dotted with one weight row at a time (rows after the last full run).
-const MT: usize = 4;
 /// Weight rows per unit of work handed to a worker.
 const ROWS_PER_UNIT: usize = 16;
 
@@ -113,10 +119,151 @@ fn quantize_rows(x: &[f32], k: usize, out: &mut Vec<Q8K>) {
     }
 }
 
+/// Which of these kernels run on this CPU.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, PartialOrd, Ord)]
+pub enum CpuPath {
+    /// None of ours: candle's kernels.
+    Generic,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// AVX2 with AVX-VNNI's 256-bit `vpdpbusd`.
+    AvxVnni,
+    /// AVX-512 F/BW/VL/VNNI.
+    Avx512,
+}
+
+impl CpuPath {
+    const ALL: [CpuPath; 4] = [
+        CpuPath::Generic,
+        CpuPath::Avx2,
+        CpuPath::AvxVnni,
+        CpuPath::Avx512,
+    ];
+
+    /// The name `REFUSION_CPU` takes and the load line prints.
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuPath::Generic => "generic",
+            CpuPath::Avx2 => "avx2",
+            CpuPath::AvxVnni => "avxvnni",
+            CpuPath::Avx512 => "avx512",
+        }
+    }
+
+    /// The best path this CPU can run.
+    pub fn detect() -> CpuPath {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let has = |f: &[bool]| f.iter().all(|&b| b);
+            let avx2 = has(&[
+                is_x86_feature_detected!("avx2"),
+                is_x86_feature_detected!("fma"),
+                is_x86_feature_detected!("f16c"),
+            ]);
+            if avx2
+                && has(&[
+                    is_x86_feature_detected!("avx512f"),
+                    is_x86_feature_detected!("avx512bw"),
+                    is_x86_feature_detected!("avx512vl"),
+                    is_x86_feature_detected!("avx512vnni"),
+                ])
+            {
+                return CpuPath::Avx512;
+            }
+            if avx2 && is_x86_feature_detected!("avxvnni") {
+                return CpuPath::AvxVnni;
+            }
+            if avx2 {
+                return CpuPath::Avx2;
+            }
+        }
+        CpuPath::Generic
+    }
+
+    /// The paths this CPU can run, lowest first.
+    pub fn runnable() -> Vec<CpuPath> {
+        let best = CpuPath::detect();
+        CpuPath::ALL
+            .into_iter()
+            .filter(|&p| {
+                p <= best && (p != CpuPath::AvxVnni || best != CpuPath::Avx512 || avx_vnni())
+            })
+            .collect()
+    }
+
+    /// `REFUSION_CPU`'s choice, checked against the CPU: `Ok(None)` when unset.
+    pub fn from_env() -> Result<Option<CpuPath>, String> {
+        let v = std::env::var_os("REFUSION_CPU");
+        CpuPath::choose(v.as_ref().map(|v| v.to_string_lossy()).as_deref())
+    }
+
+    /// A `REFUSION_CPU` value, checked against the CPU.
+    fn choose(v: Option<&str>) -> Result<Option<CpuPath>, String> {
+        let Some(v) = v else {
+            return Ok(None);
+        };
+        let v = v.to_ascii_lowercase();
+        let names = "avx512, avxvnni, avx2, neon or generic";
+        let Some(path) = CpuPath::ALL.into_iter().find(|p| p.name() == v) else {
+            return Err(if v == "neon" {
+                "REFUSION_CPU=neon: this build has no NEON kernels yet (aarch64 runs candle's)"
+                    .into()
+            } else {
+                format!("REFUSION_CPU={v}: unknown kernel path (expected {names})")
+            });
+        };
+        if !CpuPath::runnable().contains(&path) {
+            return Err(format!(
+                "REFUSION_CPU={v}: this CPU cannot run it (its best is {})",
+                CpuPath::detect().name()
+            ));
+        }
+        Ok(Some(path))
+    }
+}
+
+/// AVX-VNNI (the VEX-encoded one), which an AVX-512 VNNI CPU need not have.
+fn avx_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return is_x86_feature_detected!("avxvnni");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The kernel path in use: `REFUSION_CPU`'s if valid, else the best the CPU has (an invalid
+/// `REFUSION_CPU` is reported by [`check_env`] before the model loads).
+pub fn path() -> CpuPath {
+    use std::sync::OnceLock;
+    static PATH: OnceLock<CpuPath> = OnceLock::new();
+    *PATH.get_or_init(|| {
+        if std::env::var_os("REFUSION_NO_NATIVE_KQUANTS").is_some() {
+            set_enabled(false);
+        }
+        CpuPath::from_env()
+            .ok()
+            .flatten()
+            .unwrap_or_else(CpuPath::detect)
+    })
+}
+
+/// Checks `REFUSION_CPU`: one line naming the problem when it is unknown or unavailable.
+pub fn check_env() -> Result<(), String> {
+    CpuPath::from_env().map(|_| ())
+}
+
+/// The name of the path the model's quantized products take (`candle` when none of ours).
+pub fn path_name() -> &'static str {
+    if available() {
+        path().name()
+    } else {
+        "candle"
+    }
+}
+
 /// Whether this CPU runs these kernels (and they are not switched off).
 pub fn available() -> bool {
-    // Features first: the first look also reads the environment switch.
-    cpu_has_features() && ENABLED.load(std::sync::atomic::Ordering::Relaxed)
+    // The path first: the first look also reads the environment switches.
+    path() != CpuPath::Generic && ENABLED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Off: weights loaded from now on use candle's kernels (`REFUSION_NO_NATIVE_KQUANTS=1` at
@@ -126,25 +273,6 @@ pub fn set_enabled(on: bool) {
 }
 
 static ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-fn cpu_has_features() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static OK: OnceLock<bool> = OnceLock::new();
-        *OK.get_or_init(|| {
-            if std::env::var_os("REFUSION_NO_NATIVE_KQUANTS").is_some() {
-                set_enabled(false);
-            }
-            is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx512vnni")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
 
 /// Whether a `rows x k` weight of type `ty` runs here.
 pub fn supports(ty: GgmlType, k: usize) -> bool {
@@ -158,15 +286,14 @@ struct Line([u8; 64]);
 
 /// A Q4_K/Q6_K weight matrix (`rows x k`) repacked for these kernels: each run of 16 rows is
 /// interleaved block by block (as many bytes as the file's blocks, give or take 6%), so one
-/// `vpdpbusd` multiplies 16 rows; the last `rows % 16` rows keep the file's blocks.
+/// `vpdpbusd` multiplies 16 rows. The last `rows % 16` rows are a run padded with zero rows,
+/// so every row is computed alike on every path (the same float operations in the same order).
 pub struct PackedMatrix {
     ty: GgmlType,
     rows: usize,
     k: usize,
     /// `[run of 16 rows][block]` tiles of `tile_lines(ty)` lines each.
     tiles: Vec<Line>,
-    /// The file's blocks of the rows after the last full run.
-    tail: Vec<u8>,
 }
 
 impl PackedMatrix {
@@ -176,39 +303,50 @@ impl PackedMatrix {
         let kb = k / QK;
         let bb = block_bytes(ty);
         assert!(supports(ty, k) && data.len() == rows * kb * bb);
-        let runs = rows / ROWS_PER_UNIT;
+        let runs = rows.div_ceil(ROWS_PER_UNIT);
+        let full = rows / ROWS_PER_UNIT;
+        // The rows after the last full run, padded with zero blocks (d = 0) to a run.
+        let mut padded = Vec::new();
+        if runs > full {
+            padded.extend_from_slice(&data[full * ROWS_PER_UNIT * kb * bb..]);
+            padded.resize(ROWS_PER_UNIT * kb * bb, 0);
+        }
         let lines = tile_lines(ty);
         let n = runs * kb * lines;
         let mut tiles: Vec<Line> = Vec::with_capacity(n);
-        #[cfg(target_arch = "x86_64")]
         {
             use rayon::prelude::*;
+            let wide = path() == CpuPath::Avx512;
             // Packed on all cores, into memory not zeroed first: every byte is written.
             tiles.spare_capacity_mut()[..n]
                 .par_chunks_mut(lines)
                 .enumerate()
                 .for_each(|(i, tile)| {
                     let (run, b) = (i / kb, i % kb);
-                    // SAFETY: `supports` checked the CPU features; a tile is `lines` 64-byte
-                    // lines, all written by `pack_tile`.
+                    let (src, r0) = match run < full {
+                        true => (data, run * ROWS_PER_UNIT),
+                        false => (&padded[..], 0),
+                    };
+                    // SAFETY: a tile is `lines` 64-byte lines, all written by either packer
+                    // (the same bytes); `supports` checked the CPU features for AVX-512's.
                     unsafe {
                         let bytes = std::slice::from_raw_parts_mut(
                             tile.as_mut_ptr() as *mut u8,
                             lines * 64,
                         );
-                        x86::pack_tile(ty, data, run * ROWS_PER_UNIT, b, kb, bytes)
+                        #[cfg(target_arch = "x86_64")]
+                        if wide {
+                            x86::pack_tile(ty, src, r0, b, kb, bytes);
+                            return;
+                        }
+                        let _ = wide;
+                        scalar::pack_tile(ty, src, r0, b, kb, bytes);
                     };
                 });
             // SAFETY: the first `n` lines were all initialized above.
             unsafe { tiles.set_len(n) };
         }
-        PackedMatrix {
-            ty,
-            rows,
-            k,
-            tiles,
-            tail: data[runs * ROWS_PER_UNIT * kb * bb..].to_vec(),
-        }
+        PackedMatrix { ty, rows, k, tiles }
     }
 
     /// Output rows.
@@ -248,6 +386,11 @@ thread_local! {
 /// `out[t][r] = sum_i x[t][i] * w[r][i]` for every weight in `ws` (all `k` wide), sharing one
 /// quantization of `x` (`m` rows of `k`). `outs[j]` holds `m x ws[j].rows` values.
 pub fn matmul_many(ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32]]) {
+    matmul_on(path(), ws, x, m, outs)
+}
+
+/// [`matmul_many`] on the kernels of `path` (which the CPU must run; not `Generic`).
+fn matmul_on(path: CpuPath, ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32]]) {
     let Some(k) = ws.first().map(|w| w.k) else {
         return;
     };
@@ -282,12 +425,38 @@ pub fn matmul_many(ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mut [&mut [
                     // of weight `j`, which the caller's `&mut` lends for this call.
                     let out =
                         unsafe { std::slice::from_raw_parts_mut(outs[j].0 as *mut f32, outs[j].1) };
-                    // SAFETY: `PackedMatrix::pack` checked the CPU features (`supports`).
-                    unsafe { x86::run(w, acts, m, run, out) };
+                    // SAFETY: the CPU runs `path` (`supports`, or the tests' `runnable`).
+                    unsafe {
+                        match path {
+                            CpuPath::Avx512 => x86::run(w, acts, m, run, out),
+                            CpuPath::AvxVnni => avx2::run_vnni(w, acts, m, run, out),
+                            CpuPath::Avx2 => avx2::run_avx2(w, acts, m, run, out),
+                            CpuPath::Generic => unreachable!("no packed kernels"),
+                        }
+                    };
                 }
             });
         }
     });
+}
+
+/// A Q4_K block's 8 six-bit scales and 8 minimums (ggml's packing), as bytes in two
+/// u64s: `(scales, mins)`.
+#[inline(always)]
+fn q4k_scales(blk: &[u8]) -> (u64, u64) {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let at = |i: usize| u32::from_le_bytes([blk[i], blk[i + 1], blk[i + 2], blk[i + 3]]);
+    let (u0, u1, u2) = (at(4), at(8), at(12));
+    let m_hi = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
+    let m_lo = u1 & KMASK1;
+    let s_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
+    let s_lo = u0 & KMASK1;
+    (
+        s_lo as u64 | (s_hi as u64) << 32,
+        m_lo as u64 | (m_hi as u64) << 32,
+    )
 }
 
 fn block_bytes(ty: GgmlType) -> usize {
@@ -300,14 +469,16 @@ fn block_bytes(ty: GgmlType) -> usize {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{block_bytes, stored_at, tile_lines, PackedMatrix, MT, Q8K, QK, ROWS_PER_UNIT};
+    use super::{
+        block_bytes, q4k_scales, stored_at, tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT,
+    };
     use refusion_convert::gguf::GgmlType;
     use std::arch::x86_64::*;
 
     /// Activation rows per pass over a run's tiles.
     const TILE_MT: usize = 8;
 
-    /// Run `run` of `w` (16 rows, or the tail's rows) against every activation row, into
+    /// Run `run` of `w` (16 rows, the last one padded) against every activation row, into
     /// `out` (`m x w.rows`).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn run(
@@ -319,116 +490,34 @@ mod x86 {
     ) {
         let kb = w.k / QK;
         let r0 = run * ROWS_PER_UNIT;
-        if r0 + ROWS_PER_UNIT <= w.rows {
-            let tiles = w.run_tiles(run);
-            let tile_bytes = tile_lines(w.ty) * 64;
-            let mut t0 = 0;
-            while t0 < m {
-                let mt = (m - t0).min(TILE_MT);
-                let a = &acts[t0 * kb..(t0 + mt) * kb];
-                let mut res = [_mm512_setzero_ps(); TILE_MT];
-                macro_rules! dot {
-                    ($($n:literal)*) => {
-                        match (w.ty == GgmlType::Q4_K, mt) {
-                            $((true, $n) => packed_q4k::<$n>(tiles, tile_bytes, a, kb, &mut res),
-                              (false, $n) => packed_q6k::<$n>(tiles, tile_bytes, a, kb, &mut res),)*
-                            _ => unreachable!("mt is 1..=TILE_MT"),
-                        }
-                    };
-                }
-                dot!(1 2 3 4 5 6 7 8);
-                for (t, v) in res[..mt].iter().enumerate() {
-                    _mm512_storeu_ps(out.as_mut_ptr().add((t0 + t) * w.rows + r0), *v);
-                }
-                t0 += mt;
-            }
-            return;
-        }
-        // The tail: the file's blocks, one row at a time.
-        let row_bytes = kb * block_bytes(w.ty);
+        let valid = (w.rows - r0).min(ROWS_PER_UNIT);
+        let tiles = w.run_tiles(run);
+        let tile_bytes = tile_lines(w.ty) * 64;
         let mut t0 = 0;
         while t0 < m {
-            let mt = (m - t0).min(MT);
-            for r in r0..w.rows {
-                let row = &w.tail[(r - r0) * row_bytes..(r - r0 + 1) * row_bytes];
-                let a = &acts[t0 * kb..(t0 + mt) * kb];
-                let mut res = [0f32; MT];
-                match (w.ty, mt) {
-                    (GgmlType::Q4_K, 1) => q4k::<1>(row, a, kb, &mut res),
-                    (GgmlType::Q4_K, 2) => q4k::<2>(row, a, kb, &mut res),
-                    (GgmlType::Q4_K, 3) => q4k::<3>(row, a, kb, &mut res),
-                    (GgmlType::Q4_K, _) => q4k::<4>(row, a, kb, &mut res),
-                    (_, 1) => q6k::<1>(row, a, kb, &mut res),
-                    (_, 2) => q6k::<2>(row, a, kb, &mut res),
-                    (_, 3) => q6k::<3>(row, a, kb, &mut res),
-                    (_, _) => q6k::<4>(row, a, kb, &mut res),
-                }
-                for (t, &v) in res[..mt].iter().enumerate() {
-                    out[(t0 + t) * w.rows + r] = v;
+            let mt = (m - t0).min(TILE_MT);
+            let a = &acts[t0 * kb..(t0 + mt) * kb];
+            let mut res = [_mm512_setzero_ps(); TILE_MT];
+            macro_rules! dot {
+                ($($n:literal)*) => {
+                    match (w.ty == GgmlType::Q4_K, mt) {
+                        $((true, $n) => packed_q4k::<$n>(tiles, tile_bytes, a, kb, &mut res),
+                          (false, $n) => packed_q6k::<$n>(tiles, tile_bytes, a, kb, &mut res),)*
+                        _ => unreachable!("mt is 1..=TILE_MT"),
+                    }
+                };
+            }
+            dot!(1 2 3 4 5 6 7 8);
+            for (t, v) in res[..mt].iter().enumerate() {
+                let o = out.as_mut_ptr().add((t0 + t) * w.rows + r0);
+                if valid == ROWS_PER_UNIT {
+                    _mm512_storeu_ps(o, *v);
+                } else {
+                    _mm512_mask_storeu_ps(o, (1u16 << valid) - 1, *v);
                 }
             }
             t0 += mt;
         }
-    }
-
-    /// Byte shuffles (per 128-bit lane) that spread Q4_K's scales, widened to i16, over a
-    /// product's i16 lanes: the first 256 bits take sub-block `a`, the rest `b`.
-    const fn q4k_pick(a: u8, b: u8) -> [u8; 64] {
-        let mut out = [0u8; 64];
-        let mut i = 0;
-        while i < 64 {
-            let s = if i < 32 { a } else { b };
-            out[i] = 2 * s + (i % 2) as u8;
-            i += 1;
-        }
-        out
-    }
-    static Q4K_PICKS: [[u8; 64]; 4] = [
-        q4k_pick(0, 2),
-        q4k_pick(1, 3),
-        q4k_pick(4, 6),
-        q4k_pick(5, 7),
-    ];
-
-    /// i16 permutations that give each 128-bit lane of a Q6_K product its sub-block's scale.
-    const fn q6k_pick(s: [u16; 4]) -> [u16; 32] {
-        let mut out = [0u16; 32];
-        let mut i = 0;
-        while i < 32 {
-            out[i] = s[i / 8];
-            i += 1;
-        }
-        out
-    }
-    static Q6K_PICKS: [[u16; 32]; 4] = [
-        q6k_pick([0, 1, 4, 5]),
-        q6k_pick([2, 3, 6, 7]),
-        q6k_pick([8, 9, 12, 13]),
-        q6k_pick([10, 11, 14, 15]),
-    ];
-
-    #[inline(always)]
-    fn f16_at(b: &[u8], at: usize) -> f32 {
-        half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-    }
-
-    /// A Q4_K block's 8 six-bit scales and 8 minimums (ggml's packing), as bytes in two
-    /// u64s: `(scales, mins)`.
-    #[inline(always)]
-    fn q4k_scales(blk: &[u8]) -> (u64, u64) {
-        const KMASK1: u32 = 0x3f3f_3f3f;
-        const KMASK2: u32 = 0x0f0f_0f0f;
-        const KMASK3: u32 = 0x0303_0303;
-        let at = |i: usize| u32::from_le_bytes([blk[i], blk[i + 1], blk[i + 2], blk[i + 3]]);
-        let (u0, u1, u2) = (at(4), at(8), at(12));
-        let m_hi = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
-        let m_lo = u1 & KMASK1;
-        let s_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
-        let s_lo = u0 & KMASK1;
-        (
-            s_lo as u64 | (s_hi as u64) << 32,
-            m_lo as u64 | (m_hi as u64) << 32,
-        )
     }
 
     /// A Q4_K block's quants as four 64-byte runs in [`Q8K`]'s stored order.
@@ -475,124 +564,6 @@ mod x86 {
             }
         }
         w
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn hsum(v: __m512) -> f32 {
-        _mm512_reduce_add_ps(v)
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512vl")]
-    fn hsum256(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
-
-    /// One Q4_K row (`kb` blocks) dotted with `N` activation rows (`kb` blocks each).
-    ///
-    /// Products go through `maddubs` (u4 x i8 pairs) and `madd` with each sub-block's 6-bit
-    /// scale, so a block's integer sum is exact; the minimum terms use the activations' sums.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn q4k<const N: usize>(row: &[u8], acts: &[Q8K], kb: usize, res: &mut [f32; MT]) {
-        let picks = [
-            _mm512_loadu_si512(Q4K_PICKS[0].as_ptr() as *const _),
-            _mm512_loadu_si512(Q4K_PICKS[1].as_ptr() as *const _),
-            _mm512_loadu_si512(Q4K_PICKS[2].as_ptr() as *const _),
-            _mm512_loadu_si512(Q4K_PICKS[3].as_ptr() as *const _),
-        ];
-        let mut accf = [_mm512_setzero_ps(); N];
-        let mut accm = [_mm256_setzero_ps(); N];
-        for b in 0..kb {
-            let blk = &row[b * 144..(b + 1) * 144];
-            let d = f16_at(blk, 0);
-            let dmin = f16_at(blk, 2);
-            let (sc8, mn8) = q4k_scales(blk);
-            let sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_set_epi64x(0, sc8 as i64)));
-            let scales = [
-                _mm512_shuffle_epi8(sc16, picks[0]),
-                _mm512_shuffle_epi8(sc16, picks[1]),
-                _mm512_shuffle_epi8(sc16, picks[2]),
-                _mm512_shuffle_epi8(sc16, picks[3]),
-            ];
-            let mn8 = _mm_set_epi64x(0, mn8 as i64);
-            // Each minimum twice: sub-block s covers bsums 2s and 2s+1.
-            let mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
-            let w = q4k_quants(blk);
-            for t in 0..N {
-                let a = &acts[t * kb + b];
-                let ap = a.qs.as_ptr();
-                let mut isum = _mm512_setzero_si512();
-                for (j, (w, s)) in w.iter().zip(&scales).enumerate() {
-                    let av = _mm512_loadu_si512(ap.add(64 * j) as *const _);
-                    let p = _mm512_maddubs_epi16(*w, av);
-                    isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, *s));
-                }
-                accf[t] =
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a.d), accf[t]);
-                let bs = _mm256_loadu_si256(a.bsums.as_ptr() as *const _);
-                let msum = _mm256_madd_epi16(mins, bs);
-                accm[t] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(msum),
-                    _mm256_set1_ps(dmin * a.d),
-                    accm[t],
-                );
-            }
-        }
-        for t in 0..N {
-            res[t] = hsum(accf[t]) - hsum256(accm[t]);
-        }
-    }
-
-    /// One Q6_K row dotted with `N` activation rows. Quants are stored +32: the offset is
-    /// taken off through the activations' sums, scaled per 16-value sub-block.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn q6k<const N: usize>(row: &[u8], acts: &[Q8K], kb: usize, res: &mut [f32; MT]) {
-        let picks = [
-            _mm512_loadu_si512(Q6K_PICKS[0].as_ptr() as *const _),
-            _mm512_loadu_si512(Q6K_PICKS[1].as_ptr() as *const _),
-            _mm512_loadu_si512(Q6K_PICKS[2].as_ptr() as *const _),
-            _mm512_loadu_si512(Q6K_PICKS[3].as_ptr() as *const _),
-        ];
-        let mut accf = [_mm512_setzero_ps(); N];
-        let mut acco = [_mm256_setzero_ps(); N];
-        for b in 0..kb {
-            let blk = &row[b * 210..(b + 1) * 210];
-            let d = f16_at(blk, 208);
-            let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.as_ptr().add(192) as *const _));
-            let sc512 = _mm512_castsi256_si512(sc);
-            let scales = [
-                _mm512_permutexvar_epi16(picks[0], sc512),
-                _mm512_permutexvar_epi16(picks[1], sc512),
-                _mm512_permutexvar_epi16(picks[2], sc512),
-                _mm512_permutexvar_epi16(picks[3], sc512),
-            ];
-            let w = q6k_quants(blk);
-            for t in 0..N {
-                let a = &acts[t * kb + b];
-                let ap = a.qs.as_ptr();
-                let mut isum = _mm512_setzero_si512();
-                for (j, (w, s)) in w.iter().zip(&scales).enumerate() {
-                    let av = _mm512_loadu_si512(ap.add(64 * j) as *const _);
-                    let p = _mm512_maddubs_epi16(*w, av);
-                    isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, *s));
-                }
-                let da = d * a.d;
-                accf[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(da), accf[t]);
-                let bs = _mm256_loadu_si256(a.bsums.as_ptr() as *const _);
-                let off = _mm256_madd_epi16(sc, bs);
-                acco[t] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32.0 * da), acco[t]);
-            }
-        }
-        for t in 0..N {
-            res[t] = hsum(accf[t]) - hsum256(acco[t]);
-        }
     }
 
     /// Transposes 16 rows of 16 dwords in place (row `i` becomes column `i`).
@@ -862,7 +833,16 @@ mod tests {
         out
     }
 
-    /// The kernels against dequantized weights times dequantized activations (f64).
+    /// Our paths this CPU runs.
+    fn paths() -> Vec<CpuPath> {
+        CpuPath::runnable()
+            .into_iter()
+            .filter(|&p| p != CpuPath::Generic)
+            .collect()
+    }
+
+    /// The kernels of every runnable path against dequantized weights times dequantized
+    /// activations (f64).
     fn check(ty: GgmlType, rows: usize, k: usize, m: usize) {
         let mut seed = 7u64 + rows as u64 * 31 + m as u64;
         let wf: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
@@ -875,18 +855,20 @@ mod tests {
         quantize_rows(&x, k, &mut acts);
         let xd = dequantized_acts(&acts);
         let w = PackedMatrix::pack(ty, rows, k, &data);
-        let mut out = vec![0f32; m * rows];
-        matmul_many(&[&w], &x, m, &mut [&mut out]);
-        for t in 0..m {
-            for r in 0..rows {
-                let want: f64 = (0..k)
-                    .map(|i| wd[r * k + i] as f64 * xd[t * k + i] as f64)
-                    .sum();
-                let got = out[t * rows + r] as f64;
-                assert!(
-                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                    "{ty} rows {rows} k {k} m {m}: [{t}][{r}] {got} vs {want}"
-                );
+        for path in paths() {
+            let mut out = vec![0f32; m * rows];
+            matmul_on(path, &[&w], &x, m, &mut [&mut out]);
+            for t in 0..m {
+                for r in 0..rows {
+                    let want: f64 = (0..k)
+                        .map(|i| wd[r * k + i] as f64 * xd[t * k + i] as f64)
+                        .sum();
+                    let got = out[t * rows + r] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "{path:?} {ty} rows {rows} k {k} m {m}: [{t}][{r}] {got} vs {want}"
+                    );
+                }
             }
         }
     }
@@ -929,6 +911,48 @@ mod tests {
                 check(ty, 37, 512, m);
             }
             check(ty, 16, 2048, 4);
+        }
+    }
+
+    #[test]
+    fn the_portable_packer_writes_the_avx512_packers_bytes() {
+        if !paths().contains(&CpuPath::Avx512) {
+            return;
+        }
+        let (rows, k) = (32, 512);
+        let mut seed = 5;
+        for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+            let wf: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
+            let mut data = vec![0u8; rows * k / QK * block_bytes(ty)];
+            quant::quantize(ty, &wf, k, &mut data);
+            let lines = tile_lines(ty) * 64;
+            for (r0, b) in [(0, 0), (16, 1)] {
+                let (mut wide, mut portable) = (vec![0u8; lines], vec![1u8; lines]);
+                // SAFETY: the CPU has AVX-512 (checked above).
+                unsafe { x86::pack_tile(ty, &data, r0, b, k / QK, &mut wide) };
+                scalar::pack_tile(ty, &data, r0, b, k / QK, &mut portable);
+                assert!(wide == portable, "{ty} tile ({r0}, {b}) differs");
+            }
+        }
+    }
+
+    #[test]
+    fn refusion_cpu_names_a_path_the_cpu_runs() {
+        assert_eq!(CpuPath::choose(None), Ok(None));
+        for p in CpuPath::runnable() {
+            assert_eq!(CpuPath::choose(Some(p.name())), Ok(Some(p)));
+            assert_eq!(CpuPath::choose(Some(&p.name().to_uppercase())), Ok(Some(p)));
+        }
+        let err = CpuPath::choose(Some("sse9")).unwrap_err();
+        assert!(
+            err.contains("unknown kernel path") && err.contains("avx2"),
+            "{err}"
+        );
+        let err = CpuPath::choose(Some("neon")).unwrap_err();
+        assert!(err.contains("NEON"), "{err}");
+        if CpuPath::detect() < CpuPath::Avx512 {
+            let err = CpuPath::choose(Some("avx512")).unwrap_err();
+            assert!(err.contains("cannot run"), "{err}");
         }
     }
 
