@@ -88,7 +88,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
         cache.commit_row(0)?;
     }
     if !a.json {
-        eprintln!("kernels: {}", crate::model::kquants::path_name());
         if let Some(rss) = rss {
             eprintln!(
                 "resident memory after load: {} (file {})",

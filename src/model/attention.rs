@@ -17,6 +17,7 @@ pub struct Visible<'a> {
 }
 
 /// `a · b` with eight partial sums (vectorizes; keeps rounding error low).
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
@@ -35,6 +36,7 @@ fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `o += p * v`.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn axpy_generic(o: &mut [f32], p: f32, v: &[f32]) {
     for (o, x) in o.iter_mut().zip(v) {

@@ -31,6 +31,7 @@ unsafe fn dot<const VNNI: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i
     }
 }
 
+/// Activations `at..at + 4` of a block (stored order), in every i32 lane.
 #[inline(always)]
 unsafe fn bcast(a: &Q8K, at: usize) -> __m256i {
     _mm256_set1_epi32(std::ptr::read_unaligned(a.qs.as_ptr().add(at) as *const i32))
@@ -77,6 +78,7 @@ pub(super) unsafe fn run_vnni(
     run_body::<true>(w, acts, m, run, out)
 }
 
+/// The kernels' driver: passes of up to [`TILE_MT`] activation rows over the run's tiles.
 #[inline(always)]
 unsafe fn run_body<const VNNI: bool>(
     w: &PackedMatrix,
@@ -95,7 +97,7 @@ unsafe fn run_body<const VNNI: bool>(
         let mt = (m - t0).min(TILE_MT);
         let a = &acts[t0 * kb..(t0 + mt) * kb];
         let mut res = [[_mm256_setzero_ps(); 2]; TILE_MT];
-        macro_rules! dot {
+        macro_rules! kernel {
             ($($n:literal)*) => {
                 match (w.ty == GgmlType::Q4_K, mt) {
                     $((true, $n) => packed_q4k::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),
@@ -104,7 +106,7 @@ unsafe fn run_body<const VNNI: bool>(
                 }
             };
         }
-        dot!(1 2 3 4);
+        kernel!(1 2 3 4);
         for (t, v) in res[..mt].iter().enumerate() {
             let o = out.as_mut_ptr().add((t0 + t) * w.rows + r0);
             if valid == ROWS_PER_UNIT {

@@ -180,15 +180,14 @@ impl CpuPath {
         CpuPath::Generic
     }
 
+    /// Whether this CPU runs the path (an AVX-512 VNNI CPU need not have AVX-VNNI).
+    pub fn runs(self) -> bool {
+        self <= CpuPath::detect() && (self != CpuPath::AvxVnni || avx_vnni())
+    }
+
     /// The paths this CPU can run, lowest first.
     pub fn runnable() -> Vec<CpuPath> {
-        let best = CpuPath::detect();
-        CpuPath::ALL
-            .into_iter()
-            .filter(|&p| {
-                p <= best && (p != CpuPath::AvxVnni || best != CpuPath::Avx512 || avx_vnni())
-            })
-            .collect()
+        CpuPath::ALL.into_iter().filter(|p| p.runs()).collect()
     }
 
     /// `REFUSION_CPU`'s choice, checked against the CPU: `Ok(None)` when unset.
@@ -202,7 +201,10 @@ impl CpuPath {
         let Some(v) = v else {
             return Ok(None);
         };
-        let v = v.to_ascii_lowercase();
+        let v = v.trim().to_ascii_lowercase();
+        if v.is_empty() {
+            return Ok(None);
+        }
         let names = "avx512, avxvnni, avx2, neon or generic";
         let Some(path) = CpuPath::ALL.into_iter().find(|p| p.name() == v) else {
             return Err(if v == "neon" {
@@ -212,10 +214,12 @@ impl CpuPath {
                 format!("REFUSION_CPU={v}: unknown kernel path (expected {names})")
             });
         };
-        if !CpuPath::runnable().contains(&path) {
+        let runnable = CpuPath::runnable();
+        if !runnable.contains(&path) {
+            let names: Vec<&str> = runnable.iter().rev().map(|p| p.name()).collect();
             return Err(format!(
-                "REFUSION_CPU={v}: this CPU cannot run it (its best is {})",
-                CpuPath::detect().name()
+                "REFUSION_CPU={v}: this CPU cannot run it (it runs {})",
+                names.join(", ")
             ));
         }
         Ok(Some(path))
@@ -288,6 +292,7 @@ struct Line([u8; 64]);
 /// interleaved block by block (as many bytes as the file's blocks, give or take 6%), so one
 /// `vpdpbusd` multiplies 16 rows. The last `rows % 16` rows are a run padded with zero rows,
 /// so every row is computed alike on every path (the same float operations in the same order).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct PackedMatrix {
     ty: GgmlType,
     rows: usize,
@@ -323,12 +328,14 @@ impl PackedMatrix {
                 .enumerate()
                 .for_each(|(i, tile)| {
                     let (run, b) = (i / kb, i % kb);
-                    let (src, r0) = match run < full {
-                        true => (data, run * ROWS_PER_UNIT),
-                        false => (&padded[..], 0),
+                    let (src, r0) = if run < full {
+                        (data, run * ROWS_PER_UNIT)
+                    } else {
+                        (&padded[..], 0)
                     };
                     // SAFETY: a tile is `lines` 64-byte lines, all written by either packer
-                    // (the same bytes); `supports` checked the CPU features for AVX-512's.
+                    // (the same bytes); AVX-512's only when `path()` is Avx512, which only a
+                    // CPU with those features gets.
                     unsafe {
                         let bytes = std::slice::from_raw_parts_mut(
                             tile.as_mut_ptr() as *mut u8,
@@ -360,6 +367,7 @@ impl PackedMatrix {
     }
 
     /// The tiles of run `run` (rows `16 run .. 16 run + 16`), block after block.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn run_tiles(&self, run: usize) -> &[u8] {
         let n = self.k / QK * tile_lines(self.ty);
         let lines = &self.tiles[run * n..(run + 1) * n];
@@ -389,8 +397,13 @@ pub fn matmul_many(ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mut [&mut [
     matmul_on(path(), ws, x, m, outs)
 }
 
-/// [`matmul_many`] on the kernels of `path` (which the CPU must run; not `Generic`).
+/// [`matmul_many`] on the kernels of `path`, which must be one the CPU runs (checked) other
+/// than `Generic`.
 fn matmul_on(path: CpuPath, ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32]]) {
+    assert!(
+        path != CpuPath::Generic && path.runs(),
+        "{path:?} kernels on a CPU that cannot run them"
+    );
     let Some(k) = ws.first().map(|w| w.k) else {
         return;
     };
@@ -403,7 +416,7 @@ fn matmul_on(path: CpuPath, ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mu
         #[cfg(target_arch = "x86_64")]
         {
             let acts: &[Q8K] = acts;
-            // Units: runs of 16 weight rows (and a last shorter one), over all weights, each
+            // Units: runs of 16 weight rows (the last one padded), over all weights, each
             // with every activation row.
             let mut starts = Vec::with_capacity(ws.len() + 1);
             let mut units = 0;
@@ -438,6 +451,8 @@ fn matmul_on(path: CpuPath, ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mu
             });
         }
     });
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (path, ws, x, m, outs);
 }
 
 /// A Q4_K block's 8 six-bit scales and 8 minimums (ggml's packing), as bytes in two
@@ -856,8 +871,14 @@ mod tests {
         let xd = dequantized_acts(&acts);
         let w = PackedMatrix::pack(ty, rows, k, &data);
         for path in paths() {
-            let mut out = vec![0f32; m * rows];
-            matmul_on(path, &[&w], &x, m, &mut [&mut out]);
+            // NaN past the end: nothing may be written there (the padded last run).
+            let mut buf = vec![f32::NAN; m * rows + 16];
+            let (out, beyond) = buf.split_at_mut(m * rows);
+            matmul_on(path, &[&w], &x, m, &mut [&mut out[..]]);
+            assert!(
+                beyond.iter().all(|v| v.is_nan()),
+                "{path:?} wrote past the output"
+            );
             for t in 0..m {
                 for r in 0..rows {
                     let want: f64 = (0..k)
@@ -915,6 +936,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(target_arch = "x86_64")]
     fn the_portable_packer_writes_the_avx512_packers_bytes() {
         if !paths().contains(&CpuPath::Avx512) {
             return;
