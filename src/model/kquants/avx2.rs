@@ -2,8 +2,10 @@
 //! the CPU has it (Intel client CPUs since 12th gen, Zen 5). The tiles are the AVX-512
 //! kernels' (see `x86::pack_tile`): a 64-byte line holds four values of 16 rows, read here as
 //! two halves of 8 rows. `vpdpbusd` (VNNI) multiplies u8 weights by i8 activations and adds
-//! each 4 into an i32; plain AVX2 does the same with `vpmaddubsw` + `vpmaddwd` (the i16 pair
-//! sums cannot saturate: weights are at most 63).
+//! each 4 into an i32; plain AVX2 adds pairs into i16 lanes with `vpmaddubsw` (no saturation:
+//! weights are at most 63, activations at most 127 in magnitude), sums up to 8 of those (Q4_K)
+//! or 2 (Q6_K) before widening them with `vpmaddwd`. The integer sums are exact, so every path
+//! gives the same results to the bit.
 
 // The kernels index several register arrays (sums, accumulators, halves) by the same counters.
 #![allow(clippy::needless_range_loop)]
@@ -20,14 +22,67 @@ const TILE_MT: usize = 4;
 // The helpers and kernels below are `inline(always)` without target features of their own:
 // they are compiled into `run_avx2` or `run_vnni`, with those entry points' features.
 
-/// `acc + sum of each 4 products w[i] * a[i]` per i32 lane (u8 x i8).
+/// `sum` plus the products `w[i] * a[i]` (u8 x i8): with VNNI, each 4 added into an i32 lane
+/// (`vpdpbusd`); without, each pair into an i16 lane (`vpmaddubsw`, at most 2 x 63 x 127), so
+/// that several can be added before [`widen`] (the callers keep the i16 sums below 32767).
 #[inline(always)]
-unsafe fn dot<const VNNI: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+unsafe fn add_dot<const VNNI: bool>(sum: __m256i, w: __m256i, a: __m256i) -> __m256i {
     if VNNI {
-        _mm256_dpbusd_avx_epi32(acc, w, a)
+        _mm256_dpbusd_avx_epi32(sum, w, a)
     } else {
-        let pairs = _mm256_maddubs_epi16(w, a);
-        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        _mm256_add_epi16(sum, _mm256_maddubs_epi16(w, a))
+    }
+}
+
+/// `w0 · a0 + w1 · a1` as i32 lanes (8 products each).
+#[inline(always)]
+unsafe fn dot2<const VNNI: bool>(w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i {
+    let s = add_dot::<VNNI>(_mm256_setzero_si256(), w0, a0);
+    widen::<VNNI>(add_dot::<VNNI>(s, w1, a1))
+}
+
+/// The 6-bit values (0..64) of stored chunk `c` (16 values) of half `h` (8 rows) of a Q6_K
+/// tile, as four groups of 4 values per row: low bits from lines `2c, 2c + 1`, top bits from
+/// line `32 + c`.
+#[inline(always)]
+unsafe fn q6k_values(tile: *const u8, c: usize, h: usize) -> [__m256i; 4] {
+    let nib = _mm256_set1_epi8(0x0f);
+    let two = _mm256_set1_epi8(0x03);
+    let load = |l: usize| _mm256_load_si256(tile.add(64 * l + 32 * h) as *const _);
+    let (l0, l1, hb) = (load(2 * c), load(2 * c + 1), load(32 + c));
+    let top = [
+        hb,
+        _mm256_srli_epi16::<2>(hb),
+        _mm256_srli_epi16::<4>(hb),
+        _mm256_srli_epi16::<6>(hb),
+    ]
+    .map(|v| _mm256_slli_epi16::<4>(_mm256_and_si256(v, two)));
+    [
+        _mm256_or_si256(_mm256_and_si256(l0, nib), top[0]),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l0), nib), top[1]),
+        _mm256_or_si256(_mm256_and_si256(l1, nib), top[2]),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l1), nib), top[3]),
+    ]
+}
+
+/// A sum built by [`add_dot`] as i32 lanes, each 4 products.
+#[inline(always)]
+unsafe fn widen<const VNNI: bool>(sum: __m256i) -> __m256i {
+    if VNNI {
+        sum
+    } else {
+        _mm256_madd_epi16(sum, _mm256_set1_epi16(1))
+    }
+}
+
+/// Asks for the tile `PREFETCH_TILES` ahead, as the AVX-512 kernels do (reads past a run's
+/// last tile are harmless: prefetches never fault).
+#[inline(always)]
+unsafe fn prefetch_ahead(tile: *const u8, tile_bytes: usize) {
+    const PREFETCH_TILES: usize = 4;
+    let ahead = tile.wrapping_add(PREFETCH_TILES * tile_bytes);
+    for line in (0..tile_bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
     }
 }
 
@@ -136,10 +191,12 @@ unsafe fn packed_q4k<const N: usize, const VNNI: bool>(
     let nib = _mm256_set1_epi8(0x0f);
     for b in 0..kb {
         let tile = tiles.as_ptr().add(b * tile_bytes);
+        prefetch_ahead(tile, tile_bytes);
         let d = [f16x8(tile, 2304), f16x8(tile, 2320)];
         let dmin = [f16x8(tile, 2336), f16x8(tile, 2352)];
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for c in 0..8 {
+            // 8 pair sums of at most 2 x 15 x 127 per i16 lane: below 32767.
             let mut isum = [[_mm256_setzero_si256(); 2]; N];
             for p in 4 * c..4 * c + 4 {
                 for h in 0..2 {
@@ -148,15 +205,16 @@ unsafe fn packed_q4k<const N: usize, const VNNI: bool>(
                     let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib);
                     for t in 0..N {
                         let a = &acts[t * kb + b];
-                        isum[t][h] = dot::<VNNI>(isum[t][h], lo, bcast(a, 8 * p));
-                        isum[t][h] = dot::<VNNI>(isum[t][h], hi, bcast(a, 8 * p + 4));
+                        isum[t][h] = add_dot::<VNNI>(isum[t][h], lo, bcast(a, 8 * p));
+                        isum[t][h] = add_dot::<VNNI>(isum[t][h], hi, bcast(a, 8 * p + 4));
                     }
                 }
             }
             for h in 0..2 {
                 let sc = _mm256_mul_ps(bytes8::<false>(tile, 2048 + 16 * c + 8 * h), d[h]);
                 for t in 0..N {
-                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][h]), sc, acc[t][h]);
+                    let isum = _mm256_cvtepi32_ps(widen::<VNNI>(isum[t][h]));
+                    acc[t][h] = _mm256_fmadd_ps(isum, sc, acc[t][h]);
                 }
             }
         }
@@ -187,38 +245,24 @@ unsafe fn packed_q6k<const N: usize, const VNNI: bool>(
     kb: usize,
     res: &mut [[__m256; 2]; TILE_MT],
 ) {
-    let nib = _mm256_set1_epi8(0x0f);
-    let two = _mm256_set1_epi8(0x03);
     for b in 0..kb {
         let tile = tiles.as_ptr().add(b * tile_bytes);
+        prefetch_ahead(tile, tile_bytes);
         let d = [f16x8(tile, 3328), f16x8(tile, 3344)];
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for c in 0..16 {
             for h in 0..2 {
-                let line = |l: usize| _mm256_load_si256(tile.add(64 * l + 32 * h) as *const _);
-                let (l0, l1, hb) = (line(2 * c), line(2 * c + 1), line(32 + c));
-                let top = |shift: i32| {
-                    let v = match shift {
-                        0 => hb,
-                        2 => _mm256_srli_epi16::<2>(hb),
-                        4 => _mm256_srli_epi16::<4>(hb),
-                        _ => _mm256_srli_epi16::<6>(hb),
-                    };
-                    _mm256_slli_epi16::<4>(_mm256_and_si256(v, two))
-                };
-                let w = [
-                    _mm256_or_si256(_mm256_and_si256(l0, nib), top(0)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l0), nib), top(2)),
-                    _mm256_or_si256(_mm256_and_si256(l1, nib), top(4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l1), nib), top(6)),
-                ];
+                let w = q6k_values(tile, c, h);
                 let sc = _mm256_mul_ps(bytes8::<true>(tile, 3072 + 16 * c + 8 * h), d[h]);
                 for t in 0..N {
                     let a = &acts[t * kb + b];
-                    let mut isum = _mm256_setzero_si256();
-                    for (i, w) in w.iter().enumerate() {
-                        isum = dot::<VNNI>(isum, *w, bcast(a, 16 * c + 4 * i));
-                    }
+                    // Two pair sums of at most 2 x 63 x 127 per i16 lane at a time.
+                    let at = |i: usize| bcast(a, 16 * c + 4 * i);
+                    let (a0, a1, a2, a3) = (at(0), at(1), at(2), at(3));
+                    let isum = _mm256_add_epi32(
+                        dot2::<VNNI>(w[0], a0, w[1], a1),
+                        dot2::<VNNI>(w[2], a2, w[3], a3),
+                    );
                     acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc[t][h]);
                 }
             }
