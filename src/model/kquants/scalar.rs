@@ -6,35 +6,32 @@ use refusion_convert::gguf::GgmlType;
 use super::{block_bytes, q4k_scales, stored_at, QK};
 
 /// A block's quants in [`Q8K`]'s stored order: Q4_K's 0..16, Q6_K's 0..64 (stored +32).
+///
+/// Stored order puts, per 128 values, natural `[0..32, 64..96, 32..64, 96..128]`: for Q4_K
+/// the low nibbles of the half's 64 bytes, then their high nibbles; for Q6_K the low then high
+/// nibbles of `ql[0..32]`, then of `ql[32..64]`, each with its top two bits from `qh`.
 fn stored_quants(ty: GgmlType, blk: &[u8]) -> [u8; QK] {
-    let mut natural = [0u8; QK];
-    if ty == GgmlType::Q4_K {
-        // Per 64 values: 32 bytes, low nibbles the first 32 values, high nibbles the next.
-        for (chunk, qs) in blk[16..144].chunks_exact(32).enumerate() {
-            for (l, &q) in qs.iter().enumerate() {
-                natural[64 * chunk + l] = q & 0x0f;
-                natural[64 * chunk + 32 + l] = q >> 4;
+    let mut stored = [0u8; QK];
+    for (h, half) in stored.chunks_exact_mut(128).enumerate() {
+        if ty == GgmlType::Q4_K {
+            let qs = &blk[16 + 64 * h..16 + 64 * h + 64];
+            let (lo, hi) = half.split_at_mut(64);
+            for ((l, u), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(qs) {
+                (*l, *u) = (q & 0x0f, q >> 4);
             }
-        }
-    } else {
-        // Per 128 values: 64 bytes of low four bits and 32 of top two bits (ggml's layout).
-        for h in 0..2 {
+        } else {
             let (ql, qh) = (
                 &blk[64 * h..64 * h + 64],
                 &blk[128 + 32 * h..128 + 32 * h + 32],
             );
             for l in 0..32 {
-                let top = |shift: u32| ((qh[l] >> shift) & 3) << 4;
-                natural[128 * h + l] = (ql[l] & 0x0f) | top(0);
-                natural[128 * h + l + 32] = (ql[l + 32] & 0x0f) | top(2);
-                natural[128 * h + l + 64] = (ql[l] >> 4) | top(4);
-                natural[128 * h + l + 96] = (ql[l + 32] >> 4) | top(6);
+                let (a, b, t) = (ql[l], ql[32 + l], qh[l]);
+                half[l] = (a & 0x0f) | (t & 3) << 4;
+                half[32 + l] = (a >> 4) | (t >> 4 & 3) << 4;
+                half[64 + l] = (b & 0x0f) | (t >> 2 & 3) << 4;
+                half[96 + l] = (b >> 4) | (t >> 6 & 3) << 4;
             }
         }
-    }
-    let mut stored = [0u8; QK];
-    for (n, &q) in natural.iter().enumerate() {
-        stored[stored_at(n)] = q;
     }
     stored
 }
@@ -63,24 +60,23 @@ pub fn pack_tile(ty: GgmlType, data: &[u8], r0: usize, b: usize, kb: usize, tile
         }
     }
     // Line p: byte 4r + j holds row r's value 8p + j (low nibble) and 8p + 4 + j (high).
-    for p in 0..32 {
-        for (r, q) in quants.iter().enumerate() {
+    for (p, line) in tile[..2048].chunks_exact_mut(64).enumerate() {
+        for (out, q) in line.chunks_exact_mut(4).zip(&quants) {
+            let v = &q[8 * p..8 * p + 8];
             for j in 0..4 {
-                tile[64 * p + 4 * r + j] = (q[8 * p + j] & 0x0f) | (q[8 * p + 4 + j] & 0x0f) << 4;
+                out[j] = (v[j] & 0x0f) | (v[4 + j] & 0x0f) << 4;
             }
         }
     }
     if ty == GgmlType::Q6_K {
         // Line 32 + c: byte 4r + j holds the top two bits of values 16c + 4i + j, i = 0..4,
         // in bits 2i, 2i + 1.
-        for c in 0..16 {
-            for (r, q) in quants.iter().enumerate() {
+        for (c, line) in tile[2048..3072].chunks_exact_mut(64).enumerate() {
+            for (out, q) in line.chunks_exact_mut(4).zip(&quants) {
+                let v = &q[16 * c..16 * c + 16];
                 for j in 0..4 {
-                    let mut h = 0u8;
-                    for i in 0..4 {
-                        h |= (q[16 * c + 4 * i + j] >> 4 & 3) << (2 * i);
-                    }
-                    tile[2048 + 64 * c + 4 * r + j] = h;
+                    let top = |i: usize| (v[4 * i + j] >> 4 & 3) << (2 * i);
+                    out[j] = top(0) | top(1) | top(2) | top(3);
                 }
             }
         }
