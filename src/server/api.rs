@@ -116,6 +116,13 @@ impl Stop {
     }
 }
 
+/// `stream_options`: `include_usage` adds a last chunk with the usage and no choices.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
 /// Fields shared by both endpoints, including ReFusion's own knobs. Unknown fields are
 /// ignored, as clients send many.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -128,6 +135,9 @@ pub struct Knobs {
     #[serde(default)]
     pub stream: bool,
     pub slot_size: Option<u32>,
+    /// Choices per request: only 1 is supported (checked, never silently one).
+    pub n: Option<u32>,
+    pub stream_options: Option<StreamOptions>,
     pub serial_blocks: Option<u32>,
     pub slot_threshold: Option<f32>,
     pub token_threshold: Option<f32>,
@@ -140,12 +150,15 @@ pub struct ChatRequest {
     pub knobs: Knobs,
 }
 
-/// `prompt`: a string, or a list holding one string.
+/// `prompt`: a string, a list holding one string, token ids, or a list holding one list of
+/// token ids (as OpenAI's and llama-server's completions take them).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum PromptField {
     One(String),
     Many(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
 }
 
 #[derive(Debug, Clone, Deserialize)]

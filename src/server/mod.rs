@@ -213,6 +213,46 @@ fn usage(p: usize, c: usize) -> serde_json::Value {
     json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
 }
 
+/// The end of a stream. Without `stream_options.include_usage`: `[DONE]`. With it (OpenAI's
+/// convention): one more chunk, with no choices and the usage, then `[DONE]` (chained after
+/// the stream by [`UsageTail::last`], as one message cannot make two events).
+struct UsageTail {
+    include: bool,
+    chunk: Option<serde_json::Value>,
+}
+
+impl UsageTail {
+    fn new(include: bool) -> UsageTail {
+        UsageTail {
+            include,
+            chunk: None,
+        }
+    }
+
+    /// The finishing chunk `last` went out: the usage chunk copies its id, object and model.
+    fn done(&mut self, last: &serde_json::Value, prompt: usize, completion: usize) {
+        if self.include {
+            let mut v = last.clone();
+            v["choices"] = json!([]);
+            v["usage"] = usage(prompt, completion);
+            self.chunk = Some(v);
+        }
+    }
+
+    /// The event for the worker's `End`.
+    fn end(&mut self) -> Option<SseEvent> {
+        match (self.include, self.chunk.take()) {
+            (false, _) => Some(SseEvent::default().data("[DONE]")),
+            (true, chunk) => chunk.map(|v| SseEvent::default().data(v.to_string())),
+        }
+    }
+
+    /// What follows the stream: `[DONE]` when the usage chunk took `End`'s place.
+    fn last(include: bool) -> Option<SseEvent> {
+        include.then(|| SseEvent::default().data("[DONE]"))
+    }
+}
+
 async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     match chat_inner(&state, body).await {
         Ok(r) => r,
@@ -235,6 +275,11 @@ async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiE
         messages.push(Message::new(&m.role, &m.content.text()?));
     }
     let stream = req.knobs.stream;
+    let include_usage = req
+        .knobs
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.include_usage);
     let (rx, guard, _) = submit(state, JobInput::Chat(messages), req.knobs).await?;
     let id = format!("chatcmpl-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
     let created = now();
@@ -255,6 +300,7 @@ async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiE
         .to_string()
     };
     let first = SseEvent::default().data(chunk(json!({"role": "assistant", "content": ""}), None));
+    let mut tail = UsageTail::new(include_usage);
     let events = UnboundedReceiverStream::new(rx).filter_map(move |msg| {
         let _keep = &guard;
         match msg {
@@ -267,15 +313,17 @@ async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiE
                 let mut v: serde_json::Value =
                     serde_json::from_str(&chunk(json!({}), Some(finish_reason))).ok()?;
                 v["usage"] = usage(prompt_tokens, completion_tokens);
+                tail.done(&v, prompt_tokens, completion_tokens);
                 Some(SseEvent::default().data(v.to_string()))
             }
-            Msg::End => Some(SseEvent::default().data("[DONE]")),
+            Msg::End => tail.end(),
             Msg::Error(e) => Some(SseEvent::default().data(e.body().to_string())),
             Msg::Started { .. } => None,
         }
     });
     let all = tokio_stream::once(first)
         .chain(events)
+        .chain(tokio_stream::iter(UsageTail::last(include_usage)))
         .map(Ok::<_, std::convert::Infallible>);
     Ok(Sse::new(all)
         .keep_alive(KeepAlive::default())
@@ -291,18 +339,26 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
 
 async fn completions_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse(&body)?;
-    let prompt = match req.prompt {
-        PromptField::One(s) => s,
-        PromptField::Many(v) if v.len() == 1 => v.into_iter().next().unwrap_or_default(),
-        PromptField::Many(_) => {
-            return Err(
-                ApiError::bad_request("exactly one prompt per request is supported")
-                    .param("prompt"),
-            )
+    let one =
+        || ApiError::bad_request("exactly one prompt per request is supported").param("prompt");
+    let input = match req.prompt {
+        PromptField::One(s) => JobInput::Text(s),
+        PromptField::Many(v) if v.len() == 1 => {
+            JobInput::Text(v.into_iter().next().unwrap_or_default())
         }
+        PromptField::Tokens(ids) => JobInput::Tokens(ids),
+        PromptField::TokenLists(v) if v.len() == 1 => {
+            JobInput::Tokens(v.into_iter().next().unwrap_or_default())
+        }
+        PromptField::Many(_) | PromptField::TokenLists(_) => return Err(one()),
     };
     let stream = req.knobs.stream;
-    let (rx, guard, _) = submit(state, JobInput::Text(prompt), req.knobs).await?;
+    let include_usage = req
+        .knobs
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.include_usage);
+    let (rx, guard, _) = submit(state, input, req.knobs).await?;
     let id = format!("cmpl-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
     let created = now();
     let model = state.model.clone();
@@ -321,18 +377,27 @@ async fn completions_inner(state: &Arc<AppState>, body: Bytes) -> Result<Respons
                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": null}]})
         .to_string()
     };
+    let mut tail = UsageTail::new(include_usage);
     let events = UnboundedReceiverStream::new(rx).filter_map(move |msg| {
         let _keep = &guard;
         match msg {
             Msg::Delta(d) => Some(SseEvent::default().data(chunk(&d, None))),
-            Msg::Done { finish_reason, .. } => {
-                Some(SseEvent::default().data(chunk("", Some(finish_reason))))
+            Msg::Done {
+                finish_reason,
+                prompt_tokens,
+                completion_tokens,
+            } => {
+                let text = chunk("", Some(finish_reason));
+                let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+                tail.done(&v, prompt_tokens, completion_tokens);
+                Some(SseEvent::default().data(text))
             }
-            Msg::End => Some(SseEvent::default().data("[DONE]")),
+            Msg::End => tail.end(),
             Msg::Error(e) => Some(SseEvent::default().data(e.body().to_string())),
             Msg::Started { .. } => None,
         }
     });
+    let events = events.chain(tokio_stream::iter(UsageTail::last(include_usage)));
     Ok(Sse::new(events.map(Ok::<_, std::convert::Infallible>))
         .keep_alive(KeepAlive::default())
         .into_response())

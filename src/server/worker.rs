@@ -18,6 +18,7 @@ use crate::session::Session;
 pub enum JobInput {
     Chat(Vec<Message>),
     Text(String),
+    Tokens(Vec<u32>),
 }
 
 pub struct Job {
@@ -159,6 +160,12 @@ impl StopFilter {
 
 /// The decoding parameters of a request: its fields over the server's defaults, checked.
 pub fn params_for(knobs: &Knobs, limits: &Limits) -> Result<DecodeParams, ApiError> {
+    if knobs.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad_request(
+            "n must be 1: one choice per request is supported (send several requests)",
+        )
+        .param("n"));
+    }
     let mut p = limits.base.clone();
     if let Some(n) = knobs.max_completion_tokens.or(knobs.max_tokens) {
         if n == 0 || n > limits.max_gen_length {
@@ -245,6 +252,16 @@ fn run_job(
         JobInput::Chat(messages) => session
             .render(messages)
             .map_err(|e| ApiError::bad_request(e.to_string()))?,
+        JobInput::Tokens(ids) => {
+            let vocab = loaded.tokenizer.vocab_size();
+            if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ApiError::bad_request(format!(
+                    "token id {bad} is beyond the vocabulary ({vocab} tokens)"
+                ))
+                .param("prompt"));
+            }
+            ids.clone()
+        }
         JobInput::Text(text) => loaded
             .tokenizer
             .encode(text)

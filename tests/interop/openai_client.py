@@ -66,6 +66,26 @@ if mode == "api":
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(
         model=model, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True, extra_body=KNOBS))
     assert streamed == c.choices[0].text, (streamed, c.choices[0].text)
+    # A prompt as token ids (OpenAI's and llama-server's completions take them), plain or as a
+    # list holding one list; ids beyond the vocabulary and several prompts are refused.
+    ids = [9707, 11, 1879, 0]
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0, extra_body=KNOBS)
+    assert by_ids.usage.prompt_tokens == len(ids), by_ids.usage
+    nested = client.completions.create(model=model, prompt=[ids], max_tokens=8, temperature=0, extra_body=KNOBS)
+    assert nested.choices[0].text == by_ids.choices[0].text
+    check_error(*raw("/v1/completions", {"prompt": [1, 10**9], "max_tokens": 4}), 400, "beyond the vocabulary")
+    check_error(*raw("/v1/completions", {"prompt": [[1], [2]], "max_tokens": 4}), 400, "exactly one prompt")
+    # n > 1 is refused, never silently one choice.
+    check_error(*raw("/v1/chat/completions", {"messages": messages, "max_tokens": 4, "n": 2}), 400, "n must be 1")
+    # stream_options.include_usage: a last chunk with no choices and the usage, then [DONE].
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=KNOBS))
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens, chunks[-1]
+    chunks = list(client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body=KNOBS))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0, chunks[-1]
     # Errors, OpenAI-style.
     check_error(*raw("/v1/chat/completions", b"{not json"), 400, "malformed JSON")
     check_error(*raw("/v1/chat/completions", {"messages": []}), 400, "messages must not be empty")
