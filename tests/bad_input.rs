@@ -412,3 +412,85 @@ fn quantize_and_info_on_bad_files() {
     ]);
     assert_fails_with(&o, &["unknown output type 'q7_k'"]);
 }
+
+/// llama.cpp habits: negative numbers are values (refused by range, not as unknown flags),
+/// sampling flags slot decoding cannot honour are refused by name, all before the model loads
+/// (the model path does not exist).
+#[test]
+fn decoding_flags_are_checked_before_loading() {
+    for (cmd, args, want) in [
+        (
+            "generate",
+            &["--temp", "-1"][..],
+            "--temp must be >= 0, got -1",
+        ),
+        (
+            "generate",
+            &["--slot-threshold", "-0.5"][..],
+            "--slot-threshold must be in [0, 1]",
+        ),
+        (
+            "chat",
+            &["--token-threshold", "2"][..],
+            "--token-threshold must be in [0, 1]",
+        ),
+        (
+            "generate",
+            &["--top-k", "40"][..],
+            "--top-k is not supported",
+        ),
+        ("serve", &["--top-p", "0.9"][..], "--top-p is not supported"),
+        (
+            "generate",
+            &["--min-p", "0.05"][..],
+            "--min-p is not supported",
+        ),
+        (
+            "chat",
+            &["--repeat-penalty", "1.1"][..],
+            "--repeat-penalty is not supported",
+        ),
+    ] {
+        let mut all = vec![cmd, "-m", "/nonexistent.gguf"];
+        if cmd == "generate" {
+            all.extend_from_slice(&["-p", "hi"]);
+        }
+        all.extend_from_slice(args);
+        let o = run(&all);
+        assert_fails_with(&o, &[want]);
+    }
+}
+
+/// llama.cpp's short flags `-s` (seed) and `-sys` (system prompt) work.
+#[test]
+fn llama_cpp_short_flags_for_seed_and_system() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    convert_quiet(&fixture_model("pub-a"), &model, "f32");
+    let gen = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "-m",
+            model.to_str().unwrap(),
+            "-p",
+            "hi",
+            "-n",
+            "8",
+        ];
+        args.extend_from_slice(&["--slot-size", "4", "--serial-blocks", "1", "--json"]);
+        args.extend_from_slice(extra);
+        let o = run(&args);
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        v
+    };
+    let long = gen(&["--seed", "7", "--temp", "0.7", "--system", "Be brief."]);
+    let short = gen(&["-s", "7", "--temp", "0.7", "-sys", "Be brief."]);
+    assert_eq!(long["tokens"], short["tokens"]);
+    assert_eq!(long["prompt_tokens"], short["prompt_tokens"]);
+    let plain = gen(&[]);
+    assert_ne!(
+        plain["prompt_tokens"], short["prompt_tokens"],
+        "-sys was ignored"
+    );
+}

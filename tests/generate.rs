@@ -102,11 +102,11 @@ fn parameter_and_prompt_errors() {
         ),
         (
             &["--prompt-ids", "1,2", "--slot-threshold", "1.5"],
-            &["slot threshold must be in [0, 1]"],
+            &["--slot-threshold must be in [0, 1]"],
         ),
         (
             &["--prompt-ids", "1,2", "--token-threshold=-0.1"],
-            &["token threshold must be in [0, 1]"],
+            &["--token-threshold must be in [0, 1]"],
         ),
         (
             &["--prompt-ids", "1,2", "-n", "0"],
@@ -118,7 +118,7 @@ fn parameter_and_prompt_errors() {
         ),
         (
             &["--prompt-ids", "1,2", "--temp=-1"],
-            &["temperature must be >= 0"],
+            &["--temp must be >= 0"],
         ),
         (
             &["--prompt-ids", "1,511,2"],

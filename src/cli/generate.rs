@@ -66,20 +66,58 @@ pub struct DecodeArgs {
     #[arg(long)]
     serial_blocks: Option<u32>,
     /// Slots whose first token is more likely than this are drafted together [default: 0.6].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     slot_threshold: Option<f32>,
     /// Tokens more likely than this are accepted in verification [default: 0.3].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     token_threshold: Option<f32>,
     /// Temperature of the planning drafts (0: greedy).
-    #[arg(long = "temp", default_value_t = 0.0)]
+    #[arg(long = "temp", default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f64,
     /// Seed of the sampling noise.
-    #[arg(long, default_value_t = 0)]
+    #[arg(short = 's', long, default_value_t = 0)]
     seed: u64,
+    /// llama.cpp's sampling flags, which slot decoding cannot honour: refused by name.
+    #[arg(long = "top-k", hide = true, allow_hyphen_values = true)]
+    top_k: Option<String>,
+    #[arg(long = "top-p", hide = true, allow_hyphen_values = true)]
+    top_p: Option<String>,
+    #[arg(long = "min-p", hide = true, allow_hyphen_values = true)]
+    min_p: Option<String>,
+    #[arg(long = "repeat-penalty", hide = true, allow_hyphen_values = true)]
+    repeat_penalty: Option<String>,
 }
 
 impl DecodeArgs {
+    /// What can be checked before the model loads: sampling flags slot decoding cannot honour,
+    /// the temperature and the thresholds' range.
+    pub fn check(&self) -> Result<()> {
+        for (flag, set) in [
+            ("--top-k", self.top_k.is_some()),
+            ("--top-p", self.top_p.is_some()),
+            ("--min-p", self.min_p.is_some()),
+            ("--repeat-penalty", self.repeat_penalty.is_some()),
+        ] {
+            if set {
+                anyhow::bail!(
+                    "{flag} is not supported: ReFusion's slot decoding takes the most likely token in verification and infill (--temp only adds noise to the planning drafts)"
+                );
+            }
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            anyhow::bail!("--temp must be >= 0, got {}", self.temperature);
+        }
+        for (flag, v) in [
+            ("--slot-threshold", self.slot_threshold),
+            ("--token-threshold", self.token_threshold),
+        ] {
+            if let Some(v) = v.filter(|v| !(0.0..=1.0).contains(v)) {
+                anyhow::bail!("{flag} must be in [0, 1], got {v}");
+            }
+        }
+        Ok(())
+    }
+
     /// The parameters: these flags over the file's defaults over the model card's.
     pub fn params(&self, header: &GgufHeader, tok: &Tokenizer) -> Result<DecodeParams> {
         let d = file_defaults(header);
@@ -207,6 +245,7 @@ fn as_f64(x: f32) -> f64 {
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
+    a.decode.check()?;
     super::set_threads(a.model.threads)?;
     let start = Instant::now();
     let loaded = load(&a.model.load_options(true))?;

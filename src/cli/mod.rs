@@ -75,7 +75,11 @@ fn llama_cpp_flag(arg: std::ffi::OsString) -> std::ffi::OsString {
     let Some(s) = arg.to_str() else {
         return arg;
     };
-    for (short, long) in [("-ngl", "--n-gpu-layers"), ("-ub", "--ubatch-size")] {
+    for (short, long) in [
+        ("-ngl", "--n-gpu-layers"),
+        ("-ub", "--ubatch-size"),
+        ("-sys", "--system"),
+    ] {
         if s == short {
             return long.into();
         }

@@ -85,6 +85,7 @@ fn warn_if_beyond_fd_limit(max_connections: usize) {
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
+    a.decode.check()?;
     super::set_threads(a.model.threads)?;
     if a.queue == 0 {
         anyhow::bail!("--queue must be at least 1");
