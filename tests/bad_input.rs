@@ -494,3 +494,24 @@ fn llama_cpp_short_flags_for_seed_and_system() {
         "-sys was ignored"
     );
 }
+
+/// `quantize A A` would replace its own input: refused, the input untouched.
+#[test]
+fn quantize_refuses_to_overwrite_its_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    convert_quiet(&fixture_model("pub-a"), &model, "f32");
+    let before = std::fs::read(&model).unwrap();
+    let same = dir.path().join(".").join("m.gguf");
+    let o = run(&[
+        "quantize",
+        model.to_str().unwrap(),
+        same.to_str().unwrap(),
+        "q8_0",
+    ]);
+    assert_fails_with(&o, &["the output would overwrite the input"]);
+    assert!(
+        std::fs::read(&model).unwrap() == before,
+        "the input changed"
+    );
+}

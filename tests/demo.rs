@@ -8,7 +8,16 @@ use common::*;
 fn demo_runs_end_to_end() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("demo");
-    let o = run(&["demo", "--dir", dir.to_str().unwrap(), "-p", "Hello"]);
+    // `-t` sizes the thread pools once; every step of the demo honours it (issue 18).
+    let o = run(&[
+        "demo",
+        "--dir",
+        dir.to_str().unwrap(),
+        "-p",
+        "Hello",
+        "-t",
+        "2",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let err = stderr(&o);
     for step in ["1/3", "2/3", "3/3", "refusion: generated", "64 tokens"] {

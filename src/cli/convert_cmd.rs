@@ -170,6 +170,15 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
 }
 
 pub fn quantize(a: QuantizeArgs) -> Result<()> {
+    // Writing the output over the input would destroy it (the atomic rename replaces it).
+    if let (Ok(i), Ok(o)) = (a.input.canonicalize(), a.output.canonicalize()) {
+        if i == o {
+            anyhow::bail!(
+                "{}: the output would overwrite the input; choose another output file",
+                a.output.display()
+            );
+        }
+    }
     super::set_threads(a.mix.threads)?;
     let summary = refusion_convert::requantize(
         &a.input,

@@ -93,13 +93,21 @@ fn llama_cpp_flag(arg: std::ffi::OsString) -> std::ffi::OsString {
 /// Sizes the thread pools (`-t`): rayon's global pool, which our kernels and candle's quantized
 /// matmuls use, and candle's own count for its f32 matmuls. 0 or absent: one thread per core.
 pub(crate) fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    // The pools can be sized once per process; `demo` runs several steps, each asking again.
+    static SET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     if let Some(n) = threads.filter(|&n| n > 0) {
+        match SET.get() {
+            Some(&done) if done == n => return Ok(()),
+            Some(&done) => anyhow::bail!("cannot set {n} threads: already running with {done}"),
+            None => {}
+        }
         // candle reads RAYON_NUM_THREADS for its gemm parallelism; set before any use.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()
             .map_err(|e| anyhow::anyhow!("cannot set {n} threads: {e}"))?;
+        let _ = SET.set(n);
     }
     Ok(())
 }
