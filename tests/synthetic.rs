@@ -9,10 +9,9 @@ use refusion::convert::gguf::{GgmlType, GgufFile};
 use refusion::kv::CacheType;
 use refusion::model::{Batch, Forward, Qwen3};
 
-#[test]
-fn a_synthetic_qwen3_0_6b_has_the_real_shapes_and_types_and_runs() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("syn.gguf");
+/// `convert --synthetic 0.6b --outtype q4_k_m` into `dir`.
+fn synthetic_0_6b(dir: &std::path::Path) -> std::path::PathBuf {
+    let out = dir.join("syn.gguf");
     let o = run(&[
         "convert",
         "--synthetic",
@@ -24,6 +23,13 @@ fn a_synthetic_qwen3_0_6b_has_the_real_shapes_and_types_and_runs() {
         "-q",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
+    out
+}
+
+#[test]
+fn a_synthetic_qwen3_0_6b_has_the_real_shapes_and_types_and_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = synthetic_0_6b(dir.path());
     let file = Arc::new(GgufFile::open(&out).unwrap());
     let h = &file.header;
     let t = |n: &str| h.tensor(n).unwrap_or_else(|| panic!("{n} missing"));
@@ -108,18 +114,7 @@ fn an_unknown_synthetic_shape_is_refused() {
 #[test]
 fn every_kernel_path_gives_the_same_answer() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("syn.gguf");
-    let o = run(&[
-        "convert",
-        "--synthetic",
-        "0.6b",
-        "--outtype",
-        "q4_k_m",
-        "-o",
-        out.to_str().unwrap(),
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let out = synthetic_0_6b(dir.path());
     let generate = |path: &str| {
         std::process::Command::new(bin())
             .env("REFUSION_CPU", path)

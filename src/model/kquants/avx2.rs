@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use refusion_convert::gguf::GgmlType;
 
-use super::{stored_at, tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
+use super::{prefetch_ahead, stored_at, tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
 
 /// Activation rows per pass over a run's tiles (16 registers: 4 rows x 2 halves of sums).
 const TILE_MT: usize = 4;
@@ -72,17 +72,6 @@ unsafe fn widen<const VNNI: bool>(sum: __m256i) -> __m256i {
         sum
     } else {
         _mm256_madd_epi16(sum, _mm256_set1_epi16(1))
-    }
-}
-
-/// Asks for the tile `PREFETCH_TILES` ahead, as the AVX-512 kernels do (reads past a run's
-/// last tile are harmless: prefetches never fault).
-#[inline(always)]
-unsafe fn prefetch_ahead(tile: *const u8, tile_bytes: usize) {
-    const PREFETCH_TILES: usize = 4;
-    let ahead = tile.wrapping_add(PREFETCH_TILES * tile_bytes);
-    for line in (0..tile_bytes).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
     }
 }
 

@@ -25,6 +25,19 @@ mod scalar;
 
 use refusion_convert::gguf::GgmlType;
 
+/// Asks for the tile `PREFETCH_TILES` ahead of `tile` (reads past a run's last tile are
+/// harmless: prefetches never fault); the hardware prefetch of the development VM fell short.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_ahead(tile: *const u8, tile_bytes: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    const PREFETCH_TILES: usize = 4;
+    let ahead = tile.wrapping_add(PREFETCH_TILES * tile_bytes);
+    for line in (0..tile_bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+    }
+}
+
 /// Values per super-block.
 const QK: usize = 256;
 /// Weight rows per unit of work handed to a worker.
@@ -485,7 +498,7 @@ fn block_bytes(ty: GgmlType) -> usize {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{
-        block_bytes, q4k_scales, stored_at, tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT,
+        block_bytes, prefetch_ahead, stored_at, tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT,
     };
     use refusion_convert::gguf::GgmlType;
     use std::arch::x86_64::*;
@@ -633,23 +646,11 @@ mod x86 {
         let mut quants = [[_mm512_setzero_si512(); 4]; 16];
         for (r, q) in quants.iter_mut().enumerate() {
             let blk = &data[((r0 + r) * kb + b) * bb..][..bb];
-            if ty == GgmlType::Q4_K {
-                *q = q4k_quants(blk);
-                let (sc, mn) = q4k_scales(blk);
-                for c in 0..8 {
-                    tile[2048 + 16 * c + r] = (sc >> (8 * (stored_at(32 * c) / 32))) as u8;
-                    tile[2176 + 16 * c + r] = (mn >> (8 * c)) as u8;
-                }
-                tile[2304 + 2 * r..2306 + 2 * r].copy_from_slice(&blk[0..2]);
-                tile[2336 + 2 * r..2338 + 2 * r].copy_from_slice(&blk[2..4]);
-            } else {
-                *q = q6k_quants(blk);
-                for c in 0..16 {
-                    tile[3072 + 16 * c + r] = blk[192 + stored_at(16 * c) / 16];
-                }
-                tile[3328 + 2 * r..3330 + 2 * r].copy_from_slice(&blk[208..210]);
-                tile[3360 + 2 * r..3362 + 2 * r].fill(0);
-            }
+            *q = match ty {
+                GgmlType::Q4_K => q4k_quants(blk),
+                _ => q6k_quants(blk),
+            };
+            super::scalar::pack_row_scales(ty, blk, r, tile);
         }
         let nib = _mm512_set1_epi8(0x0f);
         let two = _mm512_set1_epi8(0x03);
@@ -681,17 +682,6 @@ mod x86 {
                     _mm512_storeu_si512(out.add(2048 + 64 * (4 * j + q)) as *mut _, h);
                 }
             }
-        }
-    }
-
-    /// Asks for the tile `PREFETCH_TILES` ahead (reads past a run's last tile are harmless:
-    /// prefetches never fault).
-    #[inline(always)]
-    unsafe fn prefetch_ahead(tile: *const u8, tile_bytes: usize) {
-        const PREFETCH_TILES: usize = 4;
-        let ahead = tile.wrapping_add(PREFETCH_TILES * tile_bytes);
-        for line in (0..tile_bytes).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
         }
     }
 

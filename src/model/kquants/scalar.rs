@@ -36,6 +36,25 @@ fn stored_quants(ty: GgmlType, blk: &[u8]) -> [u8; QK] {
     stored
 }
 
+/// Row `r`'s scales, minimums and `d` of block `blk` into their places in a tile (both packers).
+pub fn pack_row_scales(ty: GgmlType, blk: &[u8], r: usize, tile: &mut [u8]) {
+    if ty == GgmlType::Q4_K {
+        let (sc, mn) = q4k_scales(blk);
+        for c in 0..8 {
+            tile[2048 + 16 * c + r] = (sc >> (8 * (stored_at(32 * c) / 32))) as u8;
+            tile[2176 + 16 * c + r] = (mn >> (8 * c)) as u8;
+        }
+        tile[2304 + 2 * r..2306 + 2 * r].copy_from_slice(&blk[0..2]);
+        tile[2336 + 2 * r..2338 + 2 * r].copy_from_slice(&blk[2..4]);
+    } else {
+        for c in 0..16 {
+            tile[3072 + 16 * c + r] = blk[192 + stored_at(16 * c) / 16];
+        }
+        tile[3328 + 2 * r..3330 + 2 * r].copy_from_slice(&blk[208..210]);
+        tile[3360 + 2 * r..3362 + 2 * r].fill(0);
+    }
+}
+
 /// The tile of rows `r0..r0 + 16`, block `b`, as `x86::pack_tile` lays it out (see there).
 pub fn pack_tile(ty: GgmlType, data: &[u8], r0: usize, b: usize, kb: usize, tile: &mut [u8]) {
     let bb = block_bytes(ty);
@@ -43,21 +62,7 @@ pub fn pack_tile(ty: GgmlType, data: &[u8], r0: usize, b: usize, kb: usize, tile
     for (r, q) in quants.iter_mut().enumerate() {
         let blk = &data[((r0 + r) * kb + b) * bb..][..bb];
         *q = stored_quants(ty, blk);
-        if ty == GgmlType::Q4_K {
-            let (sc, mn) = q4k_scales(blk);
-            for c in 0..8 {
-                tile[2048 + 16 * c + r] = (sc >> (8 * (stored_at(32 * c) / 32))) as u8;
-                tile[2176 + 16 * c + r] = (mn >> (8 * c)) as u8;
-            }
-            tile[2304 + 2 * r..2306 + 2 * r].copy_from_slice(&blk[0..2]);
-            tile[2336 + 2 * r..2338 + 2 * r].copy_from_slice(&blk[2..4]);
-        } else {
-            for c in 0..16 {
-                tile[3072 + 16 * c + r] = blk[192 + stored_at(16 * c) / 16];
-            }
-            tile[3328 + 2 * r..3330 + 2 * r].copy_from_slice(&blk[208..210]);
-            tile[3360 + 2 * r..3362 + 2 * r].fill(0);
-        }
+        pack_row_scales(ty, blk, r, tile);
     }
     // Line p: byte 4r + j holds row r's value 8p + j (low nibble) and 8p + 4 + j (high).
     for (p, line) in tile[..2048].chunks_exact_mut(64).enumerate() {
