@@ -66,8 +66,8 @@ pub struct ModelSizes {
 }
 
 /// Host bytes a CPU weight needs beyond its size in the file: candle's x86 kernels keep a
-/// repacked copy of Q4_K, Q6_K and Q8_0 weights beside the original; our Q4_K/Q6_K tiles
-/// replace the original (its pages are released) and are at most 2.8% larger (plus a last run
+/// repacked copy of Q4_K, Q6_K and Q8_0 weights beside the original; our Q4_K/Q5_K/Q6_K/Q8_0
+/// tiles replace the original (its pages are released) and are at most 2.8% larger (plus a last run
 /// padded to 16 rows: a few KiB, within the 3.1% counted for any matrix of Qwen3's sizes).
 fn repack_extra(t: &TensorInfo) -> u64 {
     if kquants::supports(t.ty, t.ne.first().copied().unwrap_or(0) as usize) {

@@ -37,7 +37,8 @@ pub struct ModelArgs {
     pub ubatch: usize,
     /// Copy the weights into memory instead of reading them from the memory-mapped file
     /// (llama.cpp's --no-mmap; uses more memory, avoids page faults on slow filesystems).
-    /// Q4_K/Q6_K weights on CPUs with AVX2 or better are repacked into memory either way.
+    /// Q4_K/Q5_K/Q6_K/Q8_0 weights on CPUs with AVX2 or better are repacked into memory either
+    /// way.
     #[arg(long)]
     pub no_mmap: bool,
 }

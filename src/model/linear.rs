@@ -9,7 +9,7 @@ use super::kquants::{self, PackedMatrix};
 use crate::error::{Error, Result};
 
 pub enum Linear {
-    /// Q4_K/Q6_K weights repacked for our kernels (the map's pages released).
+    /// Q4_K/Q5_K/Q6_K/Q8_0 weights repacked for our kernels (the map's pages released).
     Packed(PackedMatrix),
     /// Anything else: candle's quantized or float matmul, on any device.
     Candle(QMatMul),

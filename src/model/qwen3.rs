@@ -92,7 +92,7 @@ impl Loader<'_> {
             .ok_or_else(|| Error::msg(format!("tensor {name} is missing")))
     }
 
-    /// A weight matrix: Q4_K/Q6_K CPU weights are repacked for our kernels; others are
+    /// A weight matrix: Q4_K/Q5_K/Q6_K/Q8_0 CPU weights are repacked for our kernels; others are
     /// candle's (read in place from the map for its packing, or copied with `--no-mmap`).
     fn matmul(&self, name: &str) -> Result<Linear> {
         let t = self.info(name)?;

@@ -1,4 +1,4 @@
-//! The packed Q4_K/Q6_K kernels with 256-bit vectors: AVX2 + FMA + F16C, and AVX-VNNI where
+//! The packed Q4_K/Q5_K/Q6_K/Q8_0 kernels with 256-bit vectors: AVX2 + FMA + F16C, and AVX-VNNI where
 //! the CPU has it (Intel client CPUs since 12th gen, Zen 5). The tiles are the AVX-512
 //! kernels' (see `x86::pack_tile`): a 64-byte line holds four values of 16 rows, read here as
 //! two halves of 8 rows. `vpdpbusd` (VNNI) multiplies u8 weights by i8 activations and adds
@@ -143,9 +143,14 @@ unsafe fn run_body<const VNNI: bool>(
         let mut res = [[_mm256_setzero_ps(); 2]; TILE_MT];
         macro_rules! kernel {
             ($($n:literal)*) => {
-                match (w.ty == GgmlType::Q4_K, mt) {
-                    $((true, $n) => packed_q4k::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),
-                      (false, $n) => packed_q6k::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),)*
+                match (w.ty, mt) {
+                    $((GgmlType::Q4_K, $n) =>
+                        packed_q4k::<$n, VNNI, false>(tiles, tile_bytes, a, kb, &mut res),
+                      (GgmlType::Q5_K, $n) =>
+                        packed_q4k::<$n, VNNI, true>(tiles, tile_bytes, a, kb, &mut res),
+                      (GgmlType::Q6_K, $n) =>
+                        packed_q6k::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),
+                      (_, $n) => packed_q8_0::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),)*
                     _ => unreachable!("mt is 1..=TILE_MT"),
                 }
             };
@@ -168,9 +173,27 @@ unsafe fn run_body<const VNNI: bool>(
     }
 }
 
-/// 16 packed Q4_K rows (two halves of 8) dotted with `N` activation rows into `res`.
+/// Bit `e` of each byte of `hb` moved to bit 4 (a Q5_K value's fifth bit), the others
+/// cleared (16-bit shifts: the bit never crosses a byte).
 #[inline(always)]
-unsafe fn packed_q4k<const N: usize, const VNNI: bool>(
+unsafe fn fifth_bit(hb: __m256i, e: usize) -> __m256i {
+    let v = match e {
+        0 => _mm256_slli_epi16::<4>(hb),
+        1 => _mm256_slli_epi16::<3>(hb),
+        2 => _mm256_slli_epi16::<2>(hb),
+        3 => _mm256_slli_epi16::<1>(hb),
+        4 => hb,
+        5 => _mm256_srli_epi16::<1>(hb),
+        6 => _mm256_srli_epi16::<2>(hb),
+        _ => _mm256_srli_epi16::<3>(hb),
+    };
+    _mm256_and_si256(v, _mm256_set1_epi8(0x10))
+}
+
+/// 16 packed Q4_K rows (Q5_K when `FIVE`: fifth bits from lines 37..45; two halves of 8)
+/// dotted with `N` activation rows into `res`.
+#[inline(always)]
+unsafe fn packed_q4k<const N: usize, const VNNI: bool, const FIVE: bool>(
     tiles: &[u8],
     tile_bytes: usize,
     acts: &[Q8K],
@@ -178,6 +201,9 @@ unsafe fn packed_q4k<const N: usize, const VNNI: bool>(
     res: &mut [[__m256; 2]; TILE_MT],
 ) {
     let nib = _mm256_set1_epi8(0x0f);
+    // Without VNNI, i16 pair sums of at most 2 x 15 x 127 (Q4_K) add up 8 at a time below
+    // 32767; Q5_K's (2 x 31 x 127) are widened each two.
+    let widen_each = FIVE && !VNNI;
     for b in 0..kb {
         let tile = tiles.as_ptr().add(b * tile_bytes);
         prefetch_ahead(tile, tile_bytes);
@@ -185,25 +211,42 @@ unsafe fn packed_q4k<const N: usize, const VNNI: bool>(
         let dmin = [f16x8(tile, 2336), f16x8(tile, 2352)];
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for c in 0..8 {
-            // 8 pair sums of at most 2 x 15 x 127 per i16 lane: below 32767.
             let mut isum = [[_mm256_setzero_si256(); 2]; N];
-            for p in 4 * c..4 * c + 4 {
-                for h in 0..2 {
+            for h in 0..2 {
+                let hb = if FIVE {
+                    _mm256_load_si256(tile.add(2368 + 64 * c + 32 * h) as *const _)
+                } else {
+                    _mm256_setzero_si256()
+                };
+                for i in 0..4 {
+                    let p = 4 * c + i;
                     let q = _mm256_load_si256(tile.add(64 * p + 32 * h) as *const _);
-                    let lo = _mm256_and_si256(q, nib);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib);
+                    let mut lo = _mm256_and_si256(q, nib);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib);
+                    if FIVE {
+                        lo = _mm256_or_si256(lo, fifth_bit(hb, 2 * i));
+                        hi = _mm256_or_si256(hi, fifth_bit(hb, 2 * i + 1));
+                    }
                     for t in 0..N {
                         let a = &acts[t * kb + b];
-                        isum[t][h] = add_dot::<VNNI>(isum[t][h], lo, bcast(a, 8 * p));
-                        isum[t][h] = add_dot::<VNNI>(isum[t][h], hi, bcast(a, 8 * p + 4));
+                        let (a0, a1) = (bcast(a, 8 * p), bcast(a, 8 * p + 4));
+                        isum[t][h] = if widen_each {
+                            _mm256_add_epi32(isum[t][h], dot2::<VNNI>(lo, a0, hi, a1))
+                        } else {
+                            add_dot::<VNNI>(add_dot::<VNNI>(isum[t][h], lo, a0), hi, a1)
+                        };
                     }
                 }
             }
             for h in 0..2 {
                 let sc = _mm256_mul_ps(bytes8::<false>(tile, 2048 + 16 * c + 8 * h), d[h]);
                 for t in 0..N {
-                    let isum = _mm256_cvtepi32_ps(widen::<VNNI>(isum[t][h]));
-                    acc[t][h] = _mm256_fmadd_ps(isum, sc, acc[t][h]);
+                    let isum = if widen_each {
+                        isum[t][h]
+                    } else {
+                        widen::<VNNI>(isum[t][h])
+                    };
+                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc[t][h]);
                 }
             }
         }
@@ -213,6 +256,52 @@ unsafe fn packed_q4k<const N: usize, const VNNI: bool>(
                 for t in 0..N {
                     let a = &acts[t * kb + b];
                     acc[t][h] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a.fsum32[s]), acc[t][h]);
+                }
+            }
+        }
+        for t in 0..N {
+            let ad = _mm256_set1_ps(acts[t * kb + b].d);
+            for h in 0..2 {
+                res[t][h] = _mm256_fmadd_ps(acc[t][h], ad, res[t][h]);
+            }
+        }
+    }
+}
+
+/// 16 packed Q8_0 rows (two halves of 8) dotted with `N` activation rows into `res`. The
+/// weights are signed: `|w|` times the activation with `w`'s sign (`vpsignb`), at most
+/// 2 x 128 x 127 per i16 pair without VNNI, widened each time.
+#[inline(always)]
+unsafe fn packed_q8_0<const N: usize, const VNNI: bool>(
+    tiles: &[u8],
+    tile_bytes: usize,
+    acts: &[Q8K],
+    kb: usize,
+    res: &mut [[__m256; 2]; TILE_MT],
+) {
+    let zero = _mm256_setzero_si256();
+    for b in 0..kb {
+        let tile = tiles.as_ptr().add(b * tile_bytes);
+        prefetch_ahead(tile, tile_bytes);
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        for c in 0..8 {
+            for h in 0..2 {
+                let mut isum = [_mm256_setzero_si256(); N];
+                for p in 8 * c..8 * c + 8 {
+                    let q = _mm256_load_si256(tile.add(64 * p + 32 * h) as *const _);
+                    let wa = _mm256_abs_epi8(q);
+                    for t in 0..N {
+                        let sa = _mm256_sign_epi8(bcast(&acts[t * kb + b], 4 * p), q);
+                        isum[t] = if VNNI {
+                            add_dot::<true>(isum[t], wa, sa)
+                        } else {
+                            _mm256_add_epi32(isum[t], widen::<false>(add_dot::<false>(zero, wa, sa)))
+                        };
+                    }
+                }
+                let d = f16x8(tile, 4096 + 32 * c + 16 * h);
+                for t in 0..N {
+                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), d, acc[t][h]);
                 }
             }
         }

@@ -293,7 +293,12 @@ static ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::n
 
 /// Whether a `rows x k` weight of type `ty` runs here.
 pub fn supports(ty: GgmlType, k: usize) -> bool {
-    matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) && k > 0 && k.is_multiple_of(QK) && available()
+    matches!(
+        ty,
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0
+    ) && k > 0
+        && k.is_multiple_of(QK)
+        && available()
 }
 
 /// 64 bytes, aligned: the unit packed tiles are stored in.
@@ -334,7 +339,8 @@ impl PackedMatrix {
         let mut tiles: Vec<Line> = Vec::with_capacity(n);
         {
             use rayon::prelude::*;
-            let wide = path() == CpuPath::Avx512;
+            // AVX-512's packer does Q4_K and Q6_K; the portable one writes the same bytes.
+            let wide = path() == CpuPath::Avx512 && matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K);
             // Packed on all cores, into memory not zeroed first: every byte is written.
             tiles.spare_capacity_mut()[..n]
                 .par_chunks_mut(lines)
@@ -389,13 +395,18 @@ impl PackedMatrix {
     }
 }
 
-/// 64-byte lines per tile (16 rows x one block).
+/// 64-byte lines per tile (16 rows x 256 values; see `x86::pack_tile` and
+/// `scalar::pack_tile` for the layouts).
 fn tile_lines(ty: GgmlType) -> usize {
     match ty {
         // quants 2048, scales and minimums 2 x 128, d and dmin 2 x 32 (f16)
         GgmlType::Q4_K => 37,
+        // Q4_K's tile, then the fifth bits 512
+        GgmlType::Q5_K => 45,
         // low bits 2048, high bits 1024, scales 256, d 32 (f16), 32 unused
-        _ => 53,
+        GgmlType::Q6_K => 53,
+        // quants 4096, d of each 32-value chunk 8 x 32 (f16)
+        _ => 68,
     }
 }
 
@@ -487,10 +498,13 @@ fn q4k_scales(blk: &[u8]) -> (u64, u64) {
     )
 }
 
+/// The file's bytes per 256 values (Q8_0: eight 34-byte blocks).
 fn block_bytes(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q4_K => 144,
+        GgmlType::Q5_K => 176,
         GgmlType::Q6_K => 210,
+        GgmlType::Q8_0 => 8 * 34,
         _ => 0,
     }
 }
@@ -528,9 +542,14 @@ mod x86 {
             let mut res = [_mm512_setzero_ps(); TILE_MT];
             macro_rules! dot {
                 ($($n:literal)*) => {
-                    match (w.ty == GgmlType::Q4_K, mt) {
-                        $((true, $n) => packed_q4k::<$n>(tiles, tile_bytes, a, kb, &mut res),
-                          (false, $n) => packed_q6k::<$n>(tiles, tile_bytes, a, kb, &mut res),)*
+                    match (w.ty, mt) {
+                        $((GgmlType::Q4_K, $n) =>
+                            packed_q4k::<$n, false>(tiles, tile_bytes, a, kb, &mut res),
+                          (GgmlType::Q5_K, $n) =>
+                            packed_q4k::<$n, true>(tiles, tile_bytes, a, kb, &mut res),
+                          (GgmlType::Q6_K, $n) =>
+                            packed_q6k::<$n>(tiles, tile_bytes, a, kb, &mut res),
+                          (_, $n) => packed_q8_0::<$n>(tiles, tile_bytes, a, kb, &mut res),)*
                         _ => unreachable!("mt is 1..=TILE_MT"),
                     }
                 };
@@ -696,10 +715,28 @@ mod x86 {
         _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(at) as *const _))
     }
 
-    /// 16 packed Q4_K rows dotted with `N` activation rows, accumulated into `res`.
+    /// Bit `e` of each byte of `hb` moved to bit 4 (a Q5_K value's fifth bit), the others
+    /// cleared (16-bit shifts: the bit never crosses a byte).
+    #[inline(always)]
+    unsafe fn fifth_bit(hb: __m512i, e: usize) -> __m512i {
+        let v = match e {
+            0 => _mm512_slli_epi16::<4>(hb),
+            1 => _mm512_slli_epi16::<3>(hb),
+            2 => _mm512_slli_epi16::<2>(hb),
+            3 => _mm512_slli_epi16::<1>(hb),
+            4 => hb,
+            5 => _mm512_srli_epi16::<1>(hb),
+            6 => _mm512_srli_epi16::<2>(hb),
+            _ => _mm512_srli_epi16::<3>(hb),
+        };
+        _mm512_and_si512(v, _mm512_set1_epi8(0x10))
+    }
+
+    /// 16 packed Q4_K rows (Q5_K when `FIVE`: the fifth bits from lines 37..45) dotted with
+    /// `N` activation rows, accumulated into `res`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn packed_q4k<const N: usize>(
+    unsafe fn packed_q4k<const N: usize, const FIVE: bool>(
         tiles: &[u8],
         tile_bytes: usize,
         acts: &[Q8K],
@@ -714,11 +751,21 @@ mod x86 {
             let dmin = f16x16(tile, 2336);
             let mut acc = [_mm512_setzero_ps(); N];
             for c in 0..8 {
+                let hb = if FIVE {
+                    _mm512_load_si512(tile.add(2368 + 64 * c) as *const _)
+                } else {
+                    _mm512_setzero_si512()
+                };
                 let mut isum = [_mm512_setzero_si512(); N];
-                for p in 4 * c..4 * c + 4 {
+                for i in 0..4 {
+                    let p = 4 * c + i;
                     let q = _mm512_load_si512(tile.add(64 * p) as *const _);
-                    let lo = _mm512_and_si512(q, nib);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), nib);
+                    let mut lo = _mm512_and_si512(q, nib);
+                    let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), nib);
+                    if FIVE {
+                        lo = _mm512_or_si512(lo, fifth_bit(hb, 2 * i));
+                        hi = _mm512_or_si512(hi, fifth_bit(hb, 2 * i + 1));
+                    }
                     for t in 0..N {
                         let a = &acts[t * kb + b];
                         isum[t] = _mm512_dpbusd_epi32(isum[t], lo, bcast(a, 8 * p));
@@ -737,6 +784,47 @@ mod x86 {
                 for t in 0..N {
                     let a = &acts[t * kb + b];
                     acc[t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.fsum32[s]), acc[t]);
+                }
+            }
+            for t in 0..N {
+                res[t] = _mm512_fmadd_ps(acc[t], _mm512_set1_ps(acts[t * kb + b].d), res[t]);
+            }
+        }
+    }
+
+    /// 16 packed Q8_0 rows dotted with `N` activation rows, accumulated into `res`.
+    /// `vpdpbusd` takes unsigned weights: each is offset by 128 (`xor 0x80`) and 128 times
+    /// the chunk's activation sum taken off again, exactly (integers below 2^24 as f32).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn packed_q8_0<const N: usize>(
+        tiles: &[u8],
+        tile_bytes: usize,
+        acts: &[Q8K],
+        kb: usize,
+        res: &mut [__m512; TILE_MT],
+    ) {
+        let flip = _mm512_set1_epi8(-128);
+        for b in 0..kb {
+            let tile = tiles.as_ptr().add(b * tile_bytes);
+            prefetch_ahead(tile, tile_bytes);
+            let mut acc = [_mm512_setzero_ps(); N];
+            for c in 0..8 {
+                let mut isum = [_mm512_setzero_si512(); N];
+                for p in 8 * c..8 * c + 8 {
+                    let q = _mm512_xor_si512(_mm512_load_si512(tile.add(64 * p) as *const _), flip);
+                    for t in 0..N {
+                        let a = &acts[t * kb + b];
+                        isum[t] = _mm512_dpbusd_epi32(isum[t], q, bcast(a, 4 * p));
+                    }
+                }
+                let d = f16x16(tile, 4096 + 32 * c);
+                let n = stored_at(32 * c) / 32;
+                for t in 0..N {
+                    let a = &acts[t * kb + b];
+                    let offset = _mm512_set1_ps(128.0 * a.fsum32[n]);
+                    let isum = _mm512_sub_ps(_mm512_cvtepi32_ps(isum[t]), offset);
+                    acc[t] = _mm512_fmadd_ps(isum, d, acc[t]);
                 }
             }
             for t in 0..N {
@@ -860,6 +948,7 @@ mod tests {
         quantize_rows(&x, k, &mut acts);
         let xd = dequantized_acts(&acts);
         let w = PackedMatrix::pack(ty, rows, k, &data);
+        let mut first: Option<(CpuPath, Vec<f32>)> = None;
         for path in paths() {
             // NaN past the end: nothing may be written there (the padded last run).
             let mut buf = vec![f32::NAN; m * rows + 16];
@@ -881,8 +970,19 @@ mod tests {
                     );
                 }
             }
+            // Every path gives the same floats to the bit (exact integer sums, the same
+            // float operations in the same order).
+            match &first {
+                None => first = Some((path, out.to_vec())),
+                Some((p0, o0)) => assert!(
+                    o0.iter().zip(out.iter()).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{path:?} and {p0:?} differ on {ty} rows {rows} k {k} m {m}"
+                ),
+            }
         }
     }
+
+    const TYPES: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q8_0];
 
     #[test]
     fn stored_order_is_a_permutation() {
@@ -912,11 +1012,11 @@ mod tests {
     }
 
     #[test]
-    fn both_types_match_the_dequantized_product() {
+    fn every_type_matches_the_dequantized_product() {
         if !available() {
             return;
         }
-        for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        for ty in TYPES {
             // 37 rows: two packed runs and a 5-row tail; 1..9 tokens: every tile width.
             for m in [1, 2, 3, 4, 5, 9] {
                 check(ty, 37, 512, m);
@@ -933,6 +1033,7 @@ mod tests {
         }
         let (rows, k) = (32, 512);
         let mut seed = 5;
+        // Q5_K and Q8_0 have only the portable packer.
         for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
             let wf: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
             let mut data = vec![0u8; rows * k / QK * block_bytes(ty)];

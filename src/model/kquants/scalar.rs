@@ -1,35 +1,57 @@
-//! The portable tile packer: the same bytes as the AVX-512 packer (tested), for CPUs without
-//! AVX-512.
+//! The portable tile packer: for Q4_K and Q6_K the same bytes as the AVX-512 packer (tested),
+//! for CPUs without AVX-512; Q5_K and Q8_0 are packed here on every CPU.
 
 use refusion_convert::gguf::GgmlType;
 
 use super::{block_bytes, q4k_scales, stored_at, QK};
 
-/// A block's quants in [`Q8K`]'s stored order: Q4_K's 0..16, Q6_K's 0..64 (stored +32).
+/// A block's quants in [`Q8K`]'s stored order: Q4_K's 0..16, Q5_K's 0..32, Q6_K's 0..64
+/// (stored +32), Q8_0's as the bytes of its i8 values.
 ///
 /// Stored order puts, per 128 values, natural `[0..32, 64..96, 32..64, 96..128]`: for Q4_K
-/// the low nibbles of the half's 64 bytes, then their high nibbles; for Q6_K the low then high
-/// nibbles of `ql[0..32]`, then of `ql[32..64]`, each with its top two bits from `qh`.
+/// the low nibbles of the half's 64 bytes, then their high nibbles (Q5_K: each with its fifth
+/// bit from `qh`); for Q6_K the low then high nibbles of `ql[0..32]`, then of `ql[32..64]`,
+/// each with its top two bits from `qh`.
 fn stored_quants(ty: GgmlType, blk: &[u8]) -> [u8; QK] {
     let mut stored = [0u8; QK];
-    for (h, half) in stored.chunks_exact_mut(128).enumerate() {
-        if ty == GgmlType::Q4_K {
-            let qs = &blk[16 + 64 * h..16 + 64 * h + 64];
-            let (lo, hi) = half.split_at_mut(64);
-            for ((l, u), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(qs) {
-                (*l, *u) = (q & 0x0f, q >> 4);
+    match ty {
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            let (qh, qs0) = match ty {
+                GgmlType::Q4_K => (None, 16),
+                _ => (Some(&blk[16..48]), 48),
+            };
+            for (h, half) in stored.chunks_exact_mut(128).enumerate() {
+                let qs = &blk[qs0 + 64 * h..qs0 + 64 * h + 64];
+                let (lo, hi) = half.split_at_mut(64);
+                for ((l, u), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(qs) {
+                    (*l, *u) = (q & 0x0f, q >> 4);
+                }
             }
-        } else {
-            let (ql, qh) = (
-                &blk[64 * h..64 * h + 64],
-                &blk[128 + 32 * h..128 + 32 * h + 32],
-            );
-            for l in 0..32 {
-                let (a, b, t) = (ql[l], ql[32 + l], qh[l]);
-                half[l] = (a & 0x0f) | (t & 3) << 4;
-                half[32 + l] = (a >> 4) | (t >> 4 & 3) << 4;
-                half[64 + l] = (b & 0x0f) | (t >> 2 & 3) << 4;
-                half[96 + l] = (b >> 4) | (t >> 6 & 3) << 4;
+            if let Some(qh) = qh {
+                // Natural value v's fifth bit is bit v / 32 of qh[v % 32].
+                for v in 0..QK {
+                    stored[stored_at(v)] |= (qh[v % 32] >> (v / 32) & 1) << 4;
+                }
+            }
+        }
+        GgmlType::Q8_0 => {
+            for v in 0..QK {
+                stored[stored_at(v)] = blk[34 * (v / 32) + 2 + v % 32];
+            }
+        }
+        _ => {
+            for (h, half) in stored.chunks_exact_mut(128).enumerate() {
+                let (ql, qh) = (
+                    &blk[64 * h..64 * h + 64],
+                    &blk[128 + 32 * h..128 + 32 * h + 32],
+                );
+                for l in 0..32 {
+                    let (a, b, t) = (ql[l], ql[32 + l], qh[l]);
+                    half[l] = (a & 0x0f) | (t & 3) << 4;
+                    half[32 + l] = (a >> 4) | (t >> 4 & 3) << 4;
+                    half[64 + l] = (b & 0x0f) | (t >> 2 & 3) << 4;
+                    half[96 + l] = (b >> 4) | (t >> 6 & 3) << 4;
+                }
             }
         }
     }
@@ -38,24 +60,35 @@ fn stored_quants(ty: GgmlType, blk: &[u8]) -> [u8; QK] {
 
 /// Row `r`'s scales, minimums and `d` of block `blk` into their places in a tile (both packers).
 pub fn pack_row_scales(ty: GgmlType, blk: &[u8], r: usize, tile: &mut [u8]) {
-    if ty == GgmlType::Q4_K {
-        let (sc, mn) = q4k_scales(blk);
-        for c in 0..8 {
-            tile[2048 + 16 * c + r] = (sc >> (8 * (stored_at(32 * c) / 32))) as u8;
-            tile[2176 + 16 * c + r] = (mn >> (8 * c)) as u8;
+    match ty {
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            let (sc, mn) = q4k_scales(blk);
+            for c in 0..8 {
+                tile[2048 + 16 * c + r] = (sc >> (8 * (stored_at(32 * c) / 32))) as u8;
+                tile[2176 + 16 * c + r] = (mn >> (8 * c)) as u8;
+            }
+            tile[2304 + 2 * r..2306 + 2 * r].copy_from_slice(&blk[0..2]);
+            tile[2336 + 2 * r..2338 + 2 * r].copy_from_slice(&blk[2..4]);
         }
-        tile[2304 + 2 * r..2306 + 2 * r].copy_from_slice(&blk[0..2]);
-        tile[2336 + 2 * r..2338 + 2 * r].copy_from_slice(&blk[2..4]);
-    } else {
-        for c in 0..16 {
-            tile[3072 + 16 * c + r] = blk[192 + stored_at(16 * c) / 16];
+        GgmlType::Q8_0 => {
+            // Stored chunk c's scale: its natural 32-value block's d.
+            for c in 0..8 {
+                let n = stored_at(32 * c) / 32;
+                tile[4096 + 32 * c + 2 * r..4098 + 32 * c + 2 * r]
+                    .copy_from_slice(&blk[34 * n..34 * n + 2]);
+            }
         }
-        tile[3328 + 2 * r..3330 + 2 * r].copy_from_slice(&blk[208..210]);
-        tile[3360 + 2 * r..3362 + 2 * r].fill(0);
+        _ => {
+            for c in 0..16 {
+                tile[3072 + 16 * c + r] = blk[192 + stored_at(16 * c) / 16];
+            }
+            tile[3328 + 2 * r..3330 + 2 * r].copy_from_slice(&blk[208..210]);
+            tile[3360 + 2 * r..3362 + 2 * r].fill(0);
+        }
     }
 }
 
-/// The tile of rows `r0..r0 + 16`, block `b`, as `x86::pack_tile` lays it out (see there).
+/// The tile of rows `r0..r0 + 16`, block `b`, as `super::tile_lines` lays it out (see there).
 pub fn pack_tile(ty: GgmlType, data: &[u8], r0: usize, b: usize, kb: usize, tile: &mut [u8]) {
     let bb = block_bytes(ty);
     let mut quants = [[0u8; QK]; 16];
@@ -63,6 +96,15 @@ pub fn pack_tile(ty: GgmlType, data: &[u8], r0: usize, b: usize, kb: usize, tile
         let blk = &data[((r0 + r) * kb + b) * bb..][..bb];
         *q = stored_quants(ty, blk);
         pack_row_scales(ty, blk, r, tile);
+    }
+    if ty == GgmlType::Q8_0 {
+        // Line p: byte 4r + j holds row r's value 4p + j.
+        for (p, line) in tile[..4096].chunks_exact_mut(64).enumerate() {
+            for (out, q) in line.chunks_exact_mut(4).zip(&quants) {
+                out.copy_from_slice(&q[4 * p..4 * p + 4]);
+            }
+        }
+        return;
     }
     // Line p: byte 4r + j holds row r's value 8p + j (low nibble) and 8p + 4 + j (high).
     for (p, line) in tile[..2048].chunks_exact_mut(64).enumerate() {
@@ -73,17 +115,31 @@ pub fn pack_tile(ty: GgmlType, data: &[u8], r0: usize, b: usize, kb: usize, tile
             }
         }
     }
-    if ty == GgmlType::Q6_K {
-        // Line 32 + c: byte 4r + j holds the top two bits of values 16c + 4i + j, i = 0..4,
-        // in bits 2i, 2i + 1.
-        for (c, line) in tile[2048..3072].chunks_exact_mut(64).enumerate() {
-            for (out, q) in line.chunks_exact_mut(4).zip(&quants) {
-                let v = &q[16 * c..16 * c + 16];
-                for j in 0..4 {
-                    let top = |i: usize| (v[4 * i + j] >> 4 & 3) << (2 * i);
-                    out[j] = top(0) | top(1) | top(2) | top(3);
+    match ty {
+        GgmlType::Q5_K => {
+            // Line 37 + h: byte 4r + j holds the fifth bits of values 32h + 4e + j, e = 0..8,
+            // in bit e.
+            for (h, line) in tile[2368..2880].chunks_exact_mut(64).enumerate() {
+                for (out, q) in line.chunks_exact_mut(4).zip(&quants) {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = (0..8).map(|e| (q[32 * h + 4 * e + j] >> 4 & 1) << e).sum();
+                    }
                 }
             }
         }
+        GgmlType::Q6_K => {
+            // Line 32 + c: byte 4r + j holds the top two bits of values 16c + 4i + j, i = 0..4,
+            // in bits 2i, 2i + 1.
+            for (c, line) in tile[2048..3072].chunks_exact_mut(64).enumerate() {
+                for (out, q) in line.chunks_exact_mut(4).zip(&quants) {
+                    let v = &q[16 * c..16 * c + 16];
+                    for j in 0..4 {
+                        let top = |i: usize| (v[4 * i + j] >> 4 & 3) << (2 * i);
+                        out[j] = top(0) | top(1) | top(2) | top(3);
+                    }
+                }
+            }
+        }
+        _ => {}
     }
 }
