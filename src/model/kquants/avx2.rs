@@ -295,7 +295,10 @@ unsafe fn packed_q8_0<const N: usize, const VNNI: bool>(
                         isum[t] = if VNNI {
                             add_dot::<true>(isum[t], wa, sa)
                         } else {
-                            _mm256_add_epi32(isum[t], widen::<false>(add_dot::<false>(zero, wa, sa)))
+                            _mm256_add_epi32(
+                                isum[t],
+                                widen::<false>(add_dot::<false>(zero, wa, sa)),
+                            )
                         };
                     }
                 }

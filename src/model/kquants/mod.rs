@@ -1,19 +1,24 @@
-//! Q4_K and Q6_K matrix products on x86: AVX-512 VNNI, AVX-VNNI and AVX2.
+//! Q4_K, Q5_K, Q6_K and Q8_0 matrix products on x86 (AVX-512 VNNI, AVX-VNNI, AVX2) and
+//! aarch64 (NEON, with `dotprod` where present).
 //!
 //! candle's fast x86 kernels multiply a repacked copy of each weight that is larger than the
 //! file's blocks (Q4_K 1.33x, Q6_K 1.52x: scales expanded to f32, Q6_K's quants to bytes),
-//! built single-threaded at load, and Q6_K keeps the original too for one-token products.
+//! built single-threaded at load, and Q6_K keeps the original too for one-token products;
+//! on ARM it has no repacked kernels, and Q5_K has none anywhere.
 //! Here each run of 16 weight rows is repacked block by block into a tile of about the file's
 //! size ([`PackedMatrix`]: nibbles stay nibbles, 6-bit scales become bytes, `d` stays f16),
 //! on all cores, after which the file's pages are released. In a tile, four consecutive
 //! values of all 16 rows sit in 64 bytes, so one `vpdpbusd` with a broadcast group of four
 //! activations multiplies 16 rows, for one token as for many (llama.cpp's and candle's
 //! repacked kernels work the same way); with 256-bit vectors ([`avx2`]) a line is two halves
-//! of 8 rows.
+//! of 8 rows, with NEON's 128-bit ones (`neon`) four quarters of 4 rows (`sdot` by lane).
 //!
 //! Activations are quantized once per product (shared by q/k/v and by gate/up) to 8-bit
 //! blocks of 256 ([`Q8K`], ggml's Q8_K), stored in an order that lines up with Q4_K's
 //! nibbles. Work is spread over candle's worker pool in runs of 16 rows.
+//!
+//! Every path gives the same floats to the bit: integer sums are exact, and the float
+//! operations are the same fused multiply-adds in the same order.
 //!
 //! The kernel path ([`CpuPath`]) is the best the CPU has, or the lower one `REFUSION_CPU`
 //! names; on other CPUs (and `generic`) [`available`] is false and the model uses candle's
@@ -21,6 +26,8 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod scalar;
 
 use refusion_convert::gguf::GgmlType;
@@ -133,7 +140,7 @@ fn quantize_rows(x: &[f32], k: usize, out: &mut Vec<Q8K>) {
 }
 
 /// Which of these kernels run on this CPU.
-#[derive(Clone, Copy, PartialEq, Eq, Debug, PartialOrd, Ord)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum CpuPath {
     /// None of ours: candle's kernels.
     Generic,
@@ -143,14 +150,22 @@ pub enum CpuPath {
     AvxVnni,
     /// AVX-512 F/BW/VL/VNNI.
     Avx512,
+    /// aarch64 NEON (every 64-bit ARM CPU).
+    Neon,
+    /// NEON with the `dotprod` extension's `sdot` (ARMv8.2+: Apple, Graviton 2+, recent
+    /// Snapdragon and Cortex cores).
+    NeonDot,
 }
 
 impl CpuPath {
-    const ALL: [CpuPath; 4] = [
+    /// Every path, each architecture's lowest first (so the last one a CPU runs is its best).
+    const ALL: [CpuPath; 6] = [
         CpuPath::Generic,
         CpuPath::Avx2,
         CpuPath::AvxVnni,
         CpuPath::Avx512,
+        CpuPath::Neon,
+        CpuPath::NeonDot,
     ];
 
     /// The name `REFUSION_CPU` takes and the load line prints.
@@ -160,42 +175,30 @@ impl CpuPath {
             CpuPath::Avx2 => "avx2",
             CpuPath::AvxVnni => "avxvnni",
             CpuPath::Avx512 => "avx512",
+            CpuPath::Neon => "neon",
+            CpuPath::NeonDot => "neondot",
         }
     }
 
     /// The best path this CPU can run.
     pub fn detect() -> CpuPath {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let has = |f: &[bool]| f.iter().all(|&b| b);
-            let avx2 = has(&[
-                is_x86_feature_detected!("avx2"),
-                is_x86_feature_detected!("fma"),
-                is_x86_feature_detected!("f16c"),
-            ]);
-            if avx2
-                && has(&[
-                    is_x86_feature_detected!("avx512f"),
-                    is_x86_feature_detected!("avx512bw"),
-                    is_x86_feature_detected!("avx512vl"),
-                    is_x86_feature_detected!("avx512vnni"),
-                ])
-            {
-                return CpuPath::Avx512;
-            }
-            if avx2 && is_x86_feature_detected!("avxvnni") {
-                return CpuPath::AvxVnni;
-            }
-            if avx2 {
-                return CpuPath::Avx2;
-            }
-        }
-        CpuPath::Generic
+        CpuPath::ALL
+            .into_iter()
+            .rev()
+            .find(|p| p.runs())
+            .unwrap_or(CpuPath::Generic)
     }
 
     /// Whether this CPU runs the path (an AVX-512 VNNI CPU need not have AVX-VNNI).
     pub fn runs(self) -> bool {
-        self <= CpuPath::detect() && (self != CpuPath::AvxVnni || avx_vnni())
+        match self {
+            CpuPath::Generic => true,
+            CpuPath::Avx2 => x86_has(&[]),
+            CpuPath::AvxVnni => x86_has(&["avxvnni"]),
+            CpuPath::Avx512 => x86_has(&["avx512f", "avx512bw", "avx512vl", "avx512vnni"]),
+            CpuPath::Neon => cfg!(target_arch = "aarch64"),
+            CpuPath::NeonDot => arm_dotprod(),
+        }
     }
 
     /// The paths this CPU can run, lowest first.
@@ -218,14 +221,12 @@ impl CpuPath {
         if v.is_empty() {
             return Ok(None);
         }
-        let names = "avx512, avxvnni, avx2, neon or generic";
         let Some(path) = CpuPath::ALL.into_iter().find(|p| p.name() == v) else {
-            return Err(if v == "neon" {
-                "REFUSION_CPU=neon: this build has no NEON kernels yet (aarch64 runs candle's)"
-                    .into()
-            } else {
-                format!("REFUSION_CPU={v}: unknown kernel path (expected {names})")
-            });
+            let names: Vec<&str> = CpuPath::ALL.iter().rev().map(|p| p.name()).collect();
+            return Err(format!(
+                "REFUSION_CPU={v}: unknown kernel path (expected {})",
+                names.join(", ")
+            ));
         };
         let runnable = CpuPath::runnable();
         if !runnable.contains(&path) {
@@ -239,11 +240,34 @@ impl CpuPath {
     }
 }
 
-/// AVX-VNNI (the VEX-encoded one), which an AVX-512 VNNI CPU need not have.
-fn avx_vnni() -> bool {
+/// Whether this is an x86-64 CPU with AVX2, FMA and F16C, and every feature in `more`.
+fn x86_has(more: &[&str]) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return is_x86_feature_detected!("avxvnni");
+    {
+        let base = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        base && more.iter().all(|f| match *f {
+            "avxvnni" => is_x86_feature_detected!("avxvnni"),
+            "avx512f" => is_x86_feature_detected!("avx512f"),
+            "avx512bw" => is_x86_feature_detected!("avx512bw"),
+            "avx512vl" => is_x86_feature_detected!("avx512vl"),
+            "avx512vnni" => is_x86_feature_detected!("avx512vnni"),
+            _ => false,
+        })
+    }
     #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = more;
+        false
+    }
+}
+
+/// Whether this is an aarch64 CPU with the `dotprod` extension.
+fn arm_dotprod() -> bool {
+    #[cfg(target_arch = "aarch64")]
+    return std::arch::is_aarch64_feature_detected!("dotprod");
+    #[cfg(not(target_arch = "aarch64"))]
     false
 }
 
@@ -310,7 +334,10 @@ struct Line([u8; 64]);
 /// interleaved block by block (as many bytes as the file's blocks, give or take 6%), so one
 /// `vpdpbusd` multiplies 16 rows. The last `rows % 16` rows are a run padded with zero rows,
 /// so every row is computed alike on every path (the same float operations in the same order).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)]
 pub struct PackedMatrix {
     ty: GgmlType,
     rows: usize,
@@ -386,7 +413,10 @@ impl PackedMatrix {
     }
 
     /// The tiles of run `run` (rows `16 run .. 16 run + 16`), block after block.
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[cfg_attr(
+        not(any(target_arch = "x86_64", target_arch = "aarch64")),
+        allow(dead_code)
+    )]
     fn run_tiles(&self, run: usize) -> &[u8] {
         let n = self.k / QK * tile_lines(self.ty);
         let lines = &self.tiles[run * n..(run + 1) * n];
@@ -437,7 +467,7 @@ fn matmul_on(path: CpuPath, ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mu
     }
     ACTS.with_borrow_mut(|acts| {
         quantize_rows(x, k, acts);
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         {
             let acts: &[Q8K] = acts;
             // Units: runs of 16 weight rows (the last one padded), over all weights, each
@@ -462,21 +492,39 @@ fn matmul_on(path: CpuPath, ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mu
                     // of weight `j`, which the caller's `&mut` lends for this call.
                     let out =
                         unsafe { std::slice::from_raw_parts_mut(outs[j].0 as *mut f32, outs[j].1) };
-                    // SAFETY: the CPU runs `path` (`supports`, or the tests' `runnable`).
-                    unsafe {
-                        match path {
-                            CpuPath::Avx512 => x86::run(w, acts, m, run, out),
-                            CpuPath::AvxVnni => avx2::run_vnni(w, acts, m, run, out),
-                            CpuPath::Avx2 => avx2::run_avx2(w, acts, m, run, out),
-                            CpuPath::Generic => unreachable!("no packed kernels"),
-                        }
-                    };
+                    // SAFETY: the CPU runs `path` (checked above).
+                    unsafe { run_unit(path, w, acts, m, run, out) };
                 }
             });
         }
     });
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = (path, ws, x, m, outs);
+}
+
+/// Run `run` of `w` on `path`'s kernel, which the CPU must run.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+unsafe fn run_unit(
+    path: CpuPath,
+    w: &PackedMatrix,
+    acts: &[Q8K],
+    m: usize,
+    run: usize,
+    out: &mut [f32],
+) {
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        CpuPath::Avx512 => x86::run(w, acts, m, run, out),
+        #[cfg(target_arch = "x86_64")]
+        CpuPath::AvxVnni => avx2::run_vnni(w, acts, m, run, out),
+        #[cfg(target_arch = "x86_64")]
+        CpuPath::Avx2 => avx2::run_avx2(w, acts, m, run, out),
+        #[cfg(target_arch = "aarch64")]
+        CpuPath::NeonDot => neon::run_dot(w, acts, m, run, out),
+        #[cfg(target_arch = "aarch64")]
+        CpuPath::Neon => neon::run_neon(w, acts, m, run, out),
+        _ => unreachable!("{path:?} has no kernels on this architecture"),
+    }
 }
 
 /// A Q4_K block's 8 six-bit scales and 8 minimums (ggml's packing), as bytes in two
@@ -975,14 +1023,21 @@ mod tests {
             match &first {
                 None => first = Some((path, out.to_vec())),
                 Some((p0, o0)) => assert!(
-                    o0.iter().zip(out.iter()).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    o0.iter()
+                        .zip(out.iter())
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{path:?} and {p0:?} differ on {ty} rows {rows} k {k} m {m}"
                 ),
             }
         }
     }
 
-    const TYPES: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q8_0];
+    const TYPES: [GgmlType; 4] = [
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+    ];
 
     #[test]
     fn stored_order_is_a_permutation() {
@@ -1061,11 +1116,17 @@ mod tests {
             err.contains("unknown kernel path") && err.contains("avx2"),
             "{err}"
         );
-        let err = CpuPath::choose(Some("neon")).unwrap_err();
-        assert!(err.contains("NEON"), "{err}");
-        if CpuPath::detect() < CpuPath::Avx512 {
-            let err = CpuPath::choose(Some("avx512")).unwrap_err();
-            assert!(err.contains("cannot run"), "{err}");
+        // The other architecture's paths, and AVX-512 where the CPU lacks it.
+        let other = if cfg!(target_arch = "aarch64") {
+            "avx2"
+        } else {
+            "neon"
+        };
+        for name in [other, "avx512"] {
+            if !CpuPath::runnable().iter().any(|p| p.name() == name) {
+                let err = CpuPath::choose(Some(name)).unwrap_err();
+                assert!(err.contains("cannot run"), "{err}");
+            }
         }
     }
 
