@@ -250,3 +250,26 @@ fn files_written_by_llama_cpp_s_gguf_library_and_v2_files_load() {
         }
     }
 }
+
+/// Embedding rows are read from the file (not through the map): the same bytes as the map
+/// holds, and a read past the tensor's end is refused, naming it.
+#[test]
+fn tensor_bytes_read_from_the_file_match_the_map() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("a.gguf");
+    convert_quiet(&fixture_model("pub-a"), &out, "q8_0");
+    let file = GgufFile::open(&out).unwrap();
+    let t = file.header.tensor("token_embd.weight").unwrap().clone();
+    let mapped = file.tensor_data(&t).to_vec();
+    let mut buf = vec![0u8; 100];
+    for offset in [0, 34, t.n_bytes - 100] {
+        file.read_tensor_bytes(&t, offset, &mut buf).unwrap();
+        assert_eq!(buf[..], mapped[offset as usize..offset as usize + 100]);
+    }
+    let err = file
+        .read_tensor_bytes(&t, t.n_bytes - 99, &mut buf)
+        .unwrap_err();
+    assert!(err.to_string().contains("token_embd.weight"), "{err}");
+    let err = file.read_tensor_bytes(&t, u64::MAX, &mut buf).unwrap_err();
+    assert!(err.to_string().contains("past the end"), "{err}");
+}

@@ -332,12 +332,12 @@ impl Qwen3 {
         }
     }
 
-    /// Decodes the embedding rows of `tokens` from the mapped file.
+    /// Decodes the embedding rows of `tokens`, read from the file.
     fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
         let h = self.cfg.hidden;
         let t = &self.token_embd;
         let row_bytes = t.ty.row_bytes(t.ne[0]).unwrap_or(0) as usize;
-        let data = self.file.tensor_data(t);
+        let mut row = vec![0u8; row_bytes];
         let mut out = vec![0f32; tokens.len() * h];
         for (i, &tok) in tokens.iter().enumerate() {
             let tok = tok as usize;
@@ -347,11 +347,10 @@ impl Qwen3 {
                     self.cfg.vocab
                 )));
             }
-            quant::dequantize(
-                t.ty,
-                &data[tok * row_bytes..(tok + 1) * row_bytes],
-                &mut out[i * h..(i + 1) * h],
-            );
+            // Read, not mapped: see `GgufFile::read_tensor_bytes`.
+            self.file
+                .read_tensor_bytes(t, (tok * row_bytes) as u64, &mut row)?;
+            quant::dequantize(t.ty, &row, &mut out[i * h..(i + 1) * h]);
         }
         Ok(Tensor::from_vec(out, (tokens.len(), h), &Device::Cpu)?)
     }

@@ -225,6 +225,8 @@ pub struct GgufFile {
     pub path: PathBuf,
     pub header: GgufHeader,
     mmap: Mmap,
+    /// The open file, for reads that should not map pages ([`GgufFile::read_tensor_bytes`]).
+    file: File,
 }
 
 impl GgufFile {
@@ -239,10 +241,14 @@ impl GgufFile {
         // give wrong numbers (every offset was bounds-checked against the mapped length).
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let header = GgufHeader::parse(&mmap).map_err(|msg| Error::bad(path, msg))?;
+        // The header is parsed into owned values: its pages (megabytes of vocabulary) need not
+        // stay resident.
+        crate::hf::release_pages(&mmap, 0, header.data_offset as usize);
         Ok(GgufFile {
             path: path.to_path_buf(),
             header,
             mmap,
+            file,
         })
     }
 
@@ -256,6 +262,34 @@ impl GgufFile {
     /// layout (names, types, shapes, offsets). Identifies the model for saved KV caches.
     pub fn layout_hash(&self) -> u64 {
         fnv1a(&self.mmap[..(self.header.data_offset as usize).min(self.mmap.len())])
+    }
+
+    /// Copies `buf.len()` bytes of a tensor's data from `offset` with a read from the file,
+    /// not through the map: a few scattered rows (embedding lookups) would otherwise map
+    /// whole large folios (2 MiB each on ext4 with Linux 6.x) into this process's resident
+    /// memory. Bounds are checked.
+    pub fn read_tensor_bytes(&self, t: &TensorInfo, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let end = offset.checked_add(buf.len() as u64);
+        if end.is_none_or(|e| e > t.n_bytes) {
+            return Err(Error::bad(
+                &self.path,
+                format!("a read past the end of tensor {}", t.name),
+            ));
+        }
+        let start = self.header.data_offset + t.offset + offset;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::FileExt;
+            self.file
+                .read_exact_at(buf, start)
+                .map_err(|e| Error::io(&self.path, e))
+        }
+        #[cfg(not(unix))]
+        {
+            let start = start as usize;
+            buf.copy_from_slice(&self.mmap[start..start + buf.len()]);
+            Ok(())
+        }
     }
 
     pub fn file_len(&self) -> u64 {
