@@ -20,6 +20,16 @@ fn openai_client_api_errors_and_cancellation() {
     assert!(log.contains("cancelled"), "no cancellation logged:\n{log}");
 }
 
+/// ollama's API through the official `ollama` Python client (as Open WebUI and editor
+/// plugins talk to it): the model list, chat and generate, streamed and not, errors.
+#[test]
+fn ollama_client_api() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let server = Server::start(&model, &[]);
+    server.python_client("ollama", "api");
+}
+
 #[test]
 fn load_busy_and_auth() {
     let tmp = tempfile::tempdir().unwrap();

@@ -8,6 +8,7 @@
 pub mod api;
 mod body;
 mod conn;
+mod ollama;
 mod signals;
 pub mod worker;
 
@@ -56,6 +57,8 @@ struct AppState {
     queue: usize,
     next_id: AtomicU64,
     body: BodyLimits,
+    /// What ollama's `/api/tags` tells about the model.
+    card: ollama::ModelCard,
 }
 
 /// Sets the job's cancel flag when dropped: the response (or its stream) went away.
@@ -467,6 +470,7 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
         .local_addr()
         .map_err(|e| Error::msg(e.to_string()))?;
 
+    let card = ollama::ModelCard::of(&loaded.file);
     let shutdown = Arc::new(Shutdown::default());
     let (jobs_tx, jobs_rx) = sync_channel::<Job>(cfg.queue);
     let worker_shutdown = shutdown.clone();
@@ -485,6 +489,7 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
         queue: cfg.queue,
         next_id: AtomicU64::new(1),
         body,
+        card,
     });
     eprintln!(
         "refusion serve: listening on http://{local} (model '{}')",
@@ -550,6 +555,31 @@ fn router(state: AppState) -> Router {
         .route(
             "/v1/completions",
             post(completions).fallback(method_not_allowed("POST")),
+        )
+        // ollama's API.
+        .route(
+            "/api/tags",
+            get(ollama::tags).fallback(method_not_allowed("GET, HEAD")),
+        )
+        .route(
+            "/api/ps",
+            get(ollama::ps).fallback(method_not_allowed("GET, HEAD")),
+        )
+        .route(
+            "/api/version",
+            get(ollama::version).fallback(method_not_allowed("GET, HEAD")),
+        )
+        .route(
+            "/api/show",
+            post(ollama::show).fallback(method_not_allowed("POST")),
+        )
+        .route(
+            "/api/generate",
+            post(ollama::generate).fallback(method_not_allowed("POST")),
+        )
+        .route(
+            "/api/chat",
+            post(ollama::chat).fallback(method_not_allowed("POST")),
         )
         .fallback(not_found)
         // `read_body` enforces the limit; this lifts axum's own 2 MB default for the handlers.

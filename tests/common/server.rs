@@ -69,8 +69,16 @@ impl Server {
 
     /// Runs tests/interop/openai_client.py in MODE against the server; it must print OK.
     pub fn client(&self, mode: &str) {
+        self.python_client("openai", mode)
+    }
+
+    /// Runs `tests/interop/{package}_client.py BASE MODE` (the official `openai` or `ollama`
+    /// client library against this server); it must print OK.
+    pub fn python_client(&self, package: &str, mode: &str) {
         let python = std::env::var("REFUSION_PYTHON").unwrap_or_else(|_| "python3".into());
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/interop/openai_client.py");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/interop")
+            .join(format!("{package}_client.py"));
         let o = Command::new(python)
             .arg(script)
             .arg(&self.base)
@@ -80,7 +88,7 @@ impl Server {
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(
             !err.contains("No module named"),
-            "this test needs the openai package: pip install openai\n{err}"
+            "this test needs the {package} package: pip install {package}\n{err}"
         );
         assert!(
             o.status.success(),
