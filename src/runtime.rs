@@ -123,7 +123,7 @@ pub struct LoadOptions {
 pub struct Loaded {
     pub file: Arc<GgufFile>,
     pub model: Qwen3,
-    pub tokenizer: Tokenizer,
+    pub tokenizer: Arc<Tokenizer>,
     pub load_seconds: f64,
     /// The context (`-c`) in tokens: prompt plus answer.
     pub context: usize,
@@ -282,7 +282,7 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
     Ok(Loaded {
         file,
         model,
-        tokenizer,
+        tokenizer: Arc::new(tokenizer),
         load_seconds,
         context,
         plan,

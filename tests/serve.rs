@@ -30,6 +30,15 @@ fn ollama_client_api() {
     server.python_client("ollama", "api");
 }
 
+/// llama-server's `/tokenize`, `/detokenize` and `/props`.
+#[test]
+fn llama_server_utilities() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let server = Server::start(&model, &[]);
+    server.client("llama");
+}
+
 #[test]
 fn load_busy_and_auth() {
     let tmp = tempfile::tempdir().unwrap();

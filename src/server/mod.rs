@@ -8,6 +8,7 @@
 pub mod api;
 mod body;
 mod conn;
+mod llama;
 mod ollama;
 mod signals;
 pub mod worker;
@@ -59,6 +60,12 @@ struct AppState {
     body: BodyLimits,
     /// What ollama's `/api/tags` tells about the model.
     card: ollama::ModelCard,
+    /// For `/tokenize` and `/detokenize` (shared with the worker).
+    tokenizer: Arc<crate::chat::Tokenizer>,
+    /// The model's embedding rows.
+    vocab: usize,
+    /// llama-server's `/props`.
+    props: serde_json::Value,
 }
 
 /// Sets the job's cancel flag when dropped: the response (or its stream) went away.
@@ -471,6 +478,9 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
         .map_err(|e| Error::msg(e.to_string()))?;
 
     let card = ollama::ModelCard::of(&loaded.file);
+    let tokenizer = loaded.tokenizer.clone();
+    let vocab = crate::model::Forward::config(&loaded.model).vocab;
+    let props = props(&loaded, &limits);
     let shutdown = Arc::new(Shutdown::default());
     let (jobs_tx, jobs_rx) = sync_channel::<Job>(cfg.queue);
     let worker_shutdown = shutdown.clone();
@@ -490,6 +500,9 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
         next_id: AtomicU64::new(1),
         body,
         card,
+        tokenizer,
+        vocab,
+        props,
     });
     eprintln!(
         "refusion serve: listening on http://{local} (model '{}')",
@@ -516,6 +529,32 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
     rt.shutdown_timeout(std::time::Duration::from_millis(100));
     eprintln!("refusion serve: stopped");
     Ok(())
+}
+
+/// llama-server's `/props`: the defaults a request starts from, the context, the template.
+fn props(loaded: &Loaded, limits: &Limits) -> serde_json::Value {
+    let b = &limits.base;
+    let template = loaded
+        .file
+        .header
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
+    json!({
+        "default_generation_settings": {
+            "n_ctx": loaded.context,
+            "params": {
+                "n_predict": b.gen_length, "temperature": b.temperature, "seed": b.seed,
+                "slot_size": b.slot_size, "serial_blocks": b.serial_blocks,
+                "slot_threshold": b.slot_threshold, "token_threshold": b.token_threshold,
+            },
+        },
+        "total_slots": 1,
+        "model_path": loaded.file.path.display().to_string(),
+        "chat_template": template,
+        "modalities": {"vision": false, "audio": false},
+        "build_info": format!("refusion {}", env!("CARGO_PKG_VERSION")),
+    })
 }
 
 /// Resolves at the first SIGINT/SIGTERM, after cancelling the generation in progress (and, via
@@ -555,6 +594,19 @@ fn router(state: AppState) -> Router {
         .route(
             "/v1/completions",
             post(completions).fallback(method_not_allowed("POST")),
+        )
+        // llama-server's utilities.
+        .route(
+            "/tokenize",
+            post(llama::tokenize).fallback(method_not_allowed("POST")),
+        )
+        .route(
+            "/detokenize",
+            post(llama::detokenize).fallback(method_not_allowed("POST")),
+        )
+        .route(
+            "/props",
+            get(llama::props).fallback(method_not_allowed("GET, HEAD")),
         )
         // ollama's API.
         .route(

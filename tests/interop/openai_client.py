@@ -3,7 +3,8 @@
 
     openai_client.py BASE_URL MODE
 MODE: "api" (completions, streaming, errors), "load" (8 clients x 25 requests),
-"busy" (a full queue answers 503), "auth" (API key). Prints OK and exits 0, or raises."""
+"busy" (a full queue answers 503), "auth" (API key), "llama" (llama-server's /tokenize,
+/detokenize and /props). Prints OK and exits 0, or raises."""
 import concurrent.futures
 import json
 import sys
@@ -162,5 +163,28 @@ elif mode == "auth":
     assert s == 200, b
     client = openai.OpenAI(base_url=base + "/v1", api_key="sekrit")
     assert client.models.list().data
+
+elif mode == "llama":
+    text = "Tell me about the sea."
+    s, b = raw("/tokenize", {"content": text})
+    assert s == 200 and b["tokens"] and all(isinstance(t, int) for t in b["tokens"]), b
+    ids = b["tokens"]
+    s, b = raw("/detokenize", {"tokens": ids})
+    assert s == 200 and b["content"] == text, b
+    s, b = raw("/tokenize", {"content": text, "with_pieces": True})
+    assert [p["id"] for p in b["tokens"]] == ids and "".join(p["piece"] for p in b["tokens"]) == text, b
+    # The ids from /tokenize as a completions prompt: the same answer as the text.
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    by_text = client.completions.create(model="m", prompt=text, max_tokens=8, temperature=0, extra_body=KNOBS)
+    by_ids = client.completions.create(model="m", prompt=ids, max_tokens=8, temperature=0, extra_body=KNOBS)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    check_error(*raw("/detokenize", {"tokens": [10**9]}), 400, "outside the vocabulary")
+    assert raw("/detokenize", {"tokens": [10**9]})[1]["error"]["param"] == "tokens"
+    check_error(*raw("/tokenize", {"text": text}), 400, "content")
+    s, b = get("/props")
+    assert s == 200 and b["total_slots"] == 1, b
+    assert b["default_generation_settings"]["n_ctx"] > 0, b
+    assert b["default_generation_settings"]["params"]["n_predict"] > 0, b
+    assert "im_start" in b["chat_template"], b["chat_template"][:200]
 
 print("OK")

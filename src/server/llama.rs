@@ -1,0 +1,87 @@
+//! llama-server's utility endpoints: `POST /tokenize`, `POST /detokenize` and `GET /props`,
+//! in its shapes, for clients and scripts written against llama-server.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::api::{parse, ApiError};
+use super::AppState;
+
+#[derive(Debug, Deserialize)]
+struct TokenizeRequest {
+    content: String,
+    /// Whether to add the tokenizer's own special tokens (Qwen3's add none).
+    #[serde(default)]
+    add_special: bool,
+    /// Each id with its text, as `{"id", "piece"}`.
+    #[serde(default)]
+    with_pieces: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct DetokenizeRequest {
+    tokens: Vec<u32>,
+}
+
+pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let answer = || -> Result<Value, ApiError> {
+        let req: TokenizeRequest = parse(&body)?;
+        let mut ids = state
+            .tokenizer
+            .encode(&req.content)
+            .map_err(|e| ApiError::bad_request(e.to_string()).param("content"))?;
+        if req.add_special {
+            if let Some(bos) = state.tokenizer.bos_id {
+                ids.insert(0, bos);
+            }
+        }
+        if !req.with_pieces {
+            return Ok(json!({ "tokens": ids }));
+        }
+        let mut pieces = Vec::with_capacity(ids.len());
+        for &id in &ids {
+            let piece = state
+                .tokenizer
+                .decode(&[id], false)
+                .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            pieces.push(json!({"id": id, "piece": piece}));
+        }
+        Ok(json!({ "tokens": pieces }))
+    };
+    match answer() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let answer = || -> Result<Value, ApiError> {
+        let req: DetokenizeRequest = parse(&body)?;
+        let vocab = state.vocab;
+        if let Some(bad) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::bad_request(format!(
+                "token id {bad} is outside the vocabulary ({vocab} tokens)"
+            ))
+            .param("tokens"));
+        }
+        let content = state
+            .tokenizer
+            .decode(&req.tokens, false)
+            .map_err(|e| ApiError::bad_request(e.to_string()).param("tokens"))?;
+        Ok(json!({ "content": content }))
+    };
+    match answer() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub async fn props(State(state): State<Arc<AppState>>) -> Response {
+    Json(state.props.clone()).into_response()
+}
