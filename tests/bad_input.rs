@@ -119,6 +119,46 @@ fn checkpoint_folder_missing() {
     assert_fails_with(&o, &["/nonexistent/ckpt", "does not exist"]);
 }
 
+/// Files and folders mixed up: one line naming the real problem, the OS's message once.
+#[test]
+fn a_folder_for_a_file_and_a_file_for_a_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_str().unwrap();
+    for cmd in ["generate", "bench", "serve", "info"] {
+        let mut args = vec![cmd];
+        if cmd != "info" {
+            args.push("-m");
+        }
+        args.push(dir);
+        if cmd == "generate" {
+            args.extend(["-p", "hi"]);
+        }
+        let o = run(&args);
+        assert_fails_with(&o, &["is a directory", "convert it first"]);
+        assert_eq!(stderr(&o).lines().count(), 1, "{cmd}: {}", stderr(&o));
+    }
+    let missing = tmp.path().join("nope.gguf");
+    let o = run(&["generate", "-m", missing.to_str().unwrap(), "-p", "hi"]);
+    assert_fails_with(&o, &["nope.gguf", "No such file or directory"]);
+    assert_eq!(
+        stderr(&o).matches("No such file").count(),
+        1,
+        "the OS message twice: {}",
+        stderr(&o)
+    );
+    let file = tmp.path().join("model.gguf");
+    std::fs::write(&file, b"GGUF").unwrap();
+    let out = tmp.path().join("out.gguf");
+    let o = run(&[
+        "convert",
+        file.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_fails_with(&o, &["is a file, not a checkpoint folder", "quantize"]);
+    assert!(!out.exists());
+}
+
 #[test]
 fn missing_config() {
     let c = Case::small();

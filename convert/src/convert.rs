@@ -179,6 +179,13 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Checkpoint> {
+        if dir.is_file() {
+            return Err(Error::usage(format!(
+                "'{}' is a file, not a checkpoint folder: convert takes a Hugging Face folder \
+                 (to change a GGUF file's type, use refusion quantize)",
+                dir.display()
+            )));
+        }
         if !dir.is_dir() {
             return Err(Error::usage(format!(
                 "checkpoint folder '{}' does not exist",

@@ -5,11 +5,12 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{}: {source}", path.display())]
+    /// The OS's message is part of this one line, not a source the command line would print a
+    /// second time.
+    #[error("{}: {error}", path.display())]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A file whose contents are wrong: corrupt, truncated, or not what the model needs.
     #[error("{}: {msg}", path.display())]
@@ -27,7 +28,7 @@ impl Error {
     pub fn io(path: impl AsRef<Path>, source: std::io::Error) -> Error {
         Error::Io {
             path: path.as_ref().to_path_buf(),
-            source,
+            error: source,
         }
     }
 

@@ -232,6 +232,13 @@ pub struct GgufFile {
 impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
+        if path.is_dir() {
+            return Err(Error::bad(
+                path,
+                "is a directory, not a GGUF file: a Hugging Face folder? convert it first \
+                 (refusion convert DIR)",
+            ));
+        }
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
         let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         if len == 0 {
