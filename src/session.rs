@@ -50,6 +50,13 @@ impl<'m, M: Forward + ?Sized> Session<'m, M> {
         self.cached.clear();
     }
 
+    /// Drops what the cache holds but keeps the conversation: the next turn renders it in
+    /// full (after a failed load, which may have written part of the cache).
+    pub fn forget_cache(&mut self) {
+        self.cache.crop(0);
+        self.cached.clear();
+    }
+
     /// Tokens the cache holds, by position.
     pub fn cached_tokens(&self) -> &[u32] {
         &self.cached

@@ -261,3 +261,37 @@ fn ctrl_c_stops_the_current_answer_and_the_chat_goes_on() {
     assert!(o.status.success(), "{err}");
     assert!(err.contains("(stopped)"), "{err}");
 }
+
+/// ollama's `/bye` and `/?`, "unknown command" for any other `/word`, and a failed `/load`
+/// that leaves the conversation as it was (the next turn still sees the first one).
+#[test]
+fn commands_and_a_failed_load_keep_the_conversation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let saved = tmp.path().join("conv.kv");
+    let corrupt = tmp.path().join("corrupt.kv");
+    std::fs::write(&corrupt, b"not a saved conversation").unwrap();
+    let script = format!(
+        "Hello there\n/load {}\n/load {}\n/foo bar\n/?\nSecond turn\n/save {}\n/bye\nNever read\n",
+        tmp.path().join("missing.kv").display(),
+        corrupt.display(),
+        saved.display()
+    );
+    let (_, err) = chat(&model, &script);
+    assert!(err.contains("unknown command /foo (/? for help)"), "{err}");
+    assert!(err.contains("commands: /reset"), "/? shows the help: {err}");
+    assert_eq!(
+        err.matches("the conversation goes on as it was").count(),
+        2,
+        "{err}"
+    );
+    // Two answers (the line after /bye is never read), the second turn's prompt holding the
+    // first turn: more prompt tokens than the first, though its cache was dropped.
+    let r = reuse(&err);
+    assert_eq!(r.len(), 2, "{err}");
+    assert_eq!(r[1].0, 0, "the failed load dropped the cache: {r:?}");
+    assert!(r[1].1 > r[0].1 + 4, "the first turn was kept: {r:?}");
+    // The saved conversation holds both turns: 4 messages.
+    let (_, err) = chat(&model, &format!("/load {}\n/bye\n", saved.display()));
+    assert!(err.contains("(loaded 4 messages"), "{err}");
+}

@@ -31,8 +31,8 @@ pub struct ChatArgs {
     system: Option<String>,
 }
 
-const HELP: &str =
-    "commands: /reset  /save FILE  /load FILE  /exit  (Ctrl-C stops an answer, Ctrl-D quits)";
+const HELP: &str = "commands: /reset  /save FILE  /load FILE  /bye (or /exit)  /? (or /help)  \
+(Ctrl-C stops an answer, Ctrl-D quits)";
 
 /// Saves the conversation: the KV cache, its tokens and the messages.
 fn save<M: crate::model::Forward + ?Sized>(
@@ -51,17 +51,24 @@ fn restore<M: crate::model::Forward + ?Sized>(
     path: &Path,
     model_hash: u64,
 ) -> Result<()> {
-    match s.cache.load_prefix(path, model_hash) {
-        Ok(saved) => {
-            let messages: Vec<Message> = serde_json::from_slice(&saved.extra)
-                .context("the saved conversation's messages are corrupt")?;
+    // On any failure the conversation stays as it was; only the cache, which a failed read
+    // may have half overwritten, is rebuilt on the next turn.
+    let saved = match s.cache.load_prefix(path, model_hash) {
+        Ok(saved) => saved,
+        Err(e) => {
+            s.forget_cache();
+            return Err(e.into());
+        }
+    };
+    match serde_json::from_slice::<Vec<Message>>(&saved.extra) {
+        Ok(messages) => {
             s.set_cached(saved.tokens);
             s.messages = messages;
             Ok(())
         }
-        Err(e) => {
-            s.reset();
-            Err(e.into())
+        Err(_) => {
+            s.forget_cache();
+            anyhow::bail!("the saved conversation's messages are corrupt")
         }
     }
 }
@@ -117,8 +124,8 @@ pub fn run(a: ChatArgs) -> Result<()> {
             .map(|(c, a)| (c, a.trim()))
             .unwrap_or((input, ""));
         match cmd {
-            "/exit" | "/quit" => break,
-            "/help" => {
+            "/exit" | "/quit" | "/bye" => break,
+            "/help" | "/?" => {
                 eprintln!("{HELP}");
                 continue;
             }
@@ -150,8 +157,13 @@ pub fn run(a: ChatArgs) -> Result<()> {
                         session.messages.len(),
                         session.cached_tokens().len()
                     ),
-                    Err(e) => eprintln!("error: {e:#} (starting a new conversation)"),
+                    Err(e) => eprintln!("error: {e:#} (the conversation goes on as it was)"),
                 }
+                continue;
+            }
+            // ollama's habit: any other /word is a mistyped command, not a message.
+            c if c.starts_with('/') && c.len() > 1 => {
+                eprintln!("unknown command {c} (/? for help)");
                 continue;
             }
             _ => {}
