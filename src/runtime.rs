@@ -218,6 +218,13 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
             } else {
                 opts.context
             };
+            if context > cfg.context_length {
+                eprintln!(
+                    "warning: the context ({context} tokens) is beyond what the model was \
+                     trained on ({}); positions past it may give poor answers",
+                    cfg.context_length
+                );
+            }
             let gpu = gpu_info(&device);
             if gpu.is_none() {
                 if let Some(GpuLayers::Count(n)) =

@@ -555,3 +555,45 @@ fn quantize_refuses_to_overwrite_its_input() {
         "the input changed"
     );
 }
+
+/// Nothing silently exceeds what the user set: a bench test beyond `-c` is refused before
+/// loading, and a context beyond the model's trained one is warned about.
+#[test]
+fn contexts_beyond_what_was_set_or_trained() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("never-opened.gguf");
+    let o = run(&[
+        "bench",
+        "-m",
+        missing.to_str().unwrap(),
+        "-p",
+        "16,600",
+        "-c",
+        "512",
+    ]);
+    assert_fails_with(
+        &o,
+        &["-d 256 plus -p 600 is 856 tokens", "-c 512", "raise -c"],
+    );
+    let model = tiny_refusion_gguf(tmp.path());
+    let o = run(&[
+        "generate",
+        "-m",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3",
+        "-n",
+        "8",
+        "--slot-size",
+        "4",
+        "-c",
+        "8192",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o)
+            .contains("the context (8192 tokens) is beyond what the model was trained on (4096)"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -533,3 +533,30 @@ fn refusion_tokenizer_in_the_slow_layout() {
         "layouts disagree: {keys:?}"
     );
 }
+
+/// One truth per number: `convert` and `info` report the same bits per weight (tensor data
+/// over weights, as llama.cpp counts them), for a plain and a mixed type.
+#[test]
+fn convert_and_info_agree_on_bits_per_weight() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bpw = |text: &str| -> String {
+        let at = text.find(" bits per weight").expect(text);
+        let start = text[..at].rfind([' ', '(']).unwrap() + 1;
+        text[start..at].to_string()
+    };
+    for outtype in ["q8_0", "q4_k_m"] {
+        let out = tmp.path().join(format!("{outtype}.gguf"));
+        let o = run(&[
+            "convert",
+            fixture_model("pub-a").to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--outtype",
+            outtype,
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let info = run(&["info", out.to_str().unwrap()]);
+        assert!(info.status.success(), "{}", stderr(&info));
+        assert_eq!(bpw(&stderr(&o)), bpw(&stdout(&info)), "{outtype}");
+    }
+}

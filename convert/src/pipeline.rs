@@ -57,6 +57,8 @@ pub struct Summary {
     pub n_elements: u64,
     pub input_bytes: u64,
     pub output_bytes: u64,
+    /// The tensors' data alone (no metadata, no alignment padding).
+    pub tensor_bytes: u64,
     pub elapsed: Duration,
 }
 
@@ -65,7 +67,8 @@ impl Summary {
         if self.n_elements == 0 {
             0.0
         } else {
-            self.output_bytes as f64 * 8.0 / self.n_elements as f64
+            // As `refusion info` and llama.cpp count it: tensor data over weights.
+            self.tensor_bytes as f64 * 8.0 / self.n_elements as f64
         }
     }
 }
@@ -88,6 +91,15 @@ pub fn write_gguf(
     let specs: Vec<TensorSpec> = jobs.iter().map(|j| j.spec.clone()).collect();
     let total_input: u64 = jobs.iter().map(|j| j.source.input_bytes()).sum();
     let n_elements: u64 = specs.iter().map(|s| s.ne.iter().product::<u64>()).sum();
+    let tensor_bytes: u64 = specs
+        .iter()
+        .map(|s| {
+            let rows: u64 = s.ne.iter().skip(1).product();
+            s.ne.first()
+                .and_then(|&n| s.ty.row_bytes(n))
+                .map_or(0, |b| b * rows)
+        })
+        .sum();
 
     let mut out = AtomicFile::create(target)?;
     let partial = out.partial_path().to_path_buf();
@@ -203,6 +215,7 @@ pub fn write_gguf(
         n_elements,
         input_bytes: total_input,
         output_bytes,
+        tensor_bytes,
         elapsed: start.elapsed(),
     })
 }

@@ -43,9 +43,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     super::set_threads(a.model.threads)?;
     let threads = rayon::current_num_threads();
-    let mut opts = a.model.load_options(!a.json);
+    let opts = a.model.load_options(!a.json);
     let largest = a.n_tokens.iter().copied().max().unwrap_or(1);
-    opts.context = opts.context.max(a.prefix + largest);
+    // Never more than the user set: a test that does not fit is refused, before loading.
+    if opts.context != 0 && a.prefix + largest > opts.context {
+        bail!(
+            "-d {} plus -p {largest} is {} tokens, more than the context (-c {}); raise -c",
+            a.prefix,
+            a.prefix + largest,
+            opts.context
+        );
+    }
     let loaded = load(&opts)?;
     let mut cache = loaded.new_cache(loaded.context)?;
     let rss = resident_bytes();
