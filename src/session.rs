@@ -79,6 +79,13 @@ impl<'m, M: Forward + ?Sized> Session<'m, M> {
 
     /// Keeps the longest cached prefix of `prompt` (dropping everything else) and returns its
     /// length. At least one prompt token is left to feed, so the first forward has an input.
+    /// Keeps the cached prefix `prompt` shares and returns its length, as `generate` will
+    /// (idempotent), so that a front end can report the reuse before the answer.
+    pub fn prepare(&mut self, prompt: &[u32]) -> usize {
+        self.last_reused = self.reuse_prefix(prompt);
+        self.last_reused
+    }
+
     fn reuse_prefix(&mut self, prompt: &[u32]) -> usize {
         let mut n = self
             .cached

@@ -260,3 +260,66 @@ fn text_prompts_through_the_chat_template_with_the_real_tokenizer() {
     assert!(stdout(&o).contains("\x1b[2J"));
     assert!(stdout(&o).contains("committed"));
 }
+
+/// Outputs that are not a terminal get no escape codes (`--visual` into a pipe prints the
+/// answer as text, with a note), and the prompt cache's note comes before the answer.
+#[test]
+fn no_escape_codes_off_a_terminal_and_notes_before_the_answer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let cache = tmp.path().join("prompt.kv");
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "generate",
+            "-m",
+            model.to_str().unwrap(),
+            "-p",
+            "Tell me about the sea.",
+            "-n",
+            "16",
+            "--slot-size",
+            "4",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let o = std::process::Command::new(bin())
+        .args(args(&["--visual"]))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stdout(&o).contains('\x1b'), "escape codes in a pipe");
+    assert!(
+        stderr(&o).contains("--visual needs a terminal"),
+        "{}",
+        stderr(&o)
+    );
+    let answer = stdout(&o).trim().to_string();
+    assert!(!answer.is_empty());
+
+    let cache = cache.to_str().unwrap();
+    let first = run(&args(&["--prompt-cache", cache])
+        .iter()
+        .map(|s| s.as_str())
+        .collect::<Vec<_>>());
+    assert!(first.status.success(), "{}", stderr(&first));
+    assert_eq!(stdout(&first).trim(), answer);
+    // Both streams into one pipe, in the order they were written.
+    let line = args(&["--prompt-cache", cache])
+        .iter()
+        .map(|a| format!("'{a}'"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let o = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("'{}' {line} 2>&1", bin().display()))
+        .output()
+        .unwrap();
+    let merged = String::from_utf8_lossy(&o.stdout).into_owned();
+    let note = merged.find("prompt cache: reused").expect(&merged);
+    let at = merged.find(&answer).expect(&merged);
+    assert!(note < at, "the note comes after the answer:\n{merged}");
+}

@@ -292,9 +292,23 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
     }
 
+    // Notes go to stderr before the answer, not after it.
+    if a.prompt_cache.is_some() {
+        let reused = session.prepare(&prompt);
+        if reused > 0 {
+            eprintln!(
+                "prompt cache: reused {reused} of {} prompt tokens",
+                prompt.len()
+            );
+        }
+    }
     let prompt_len = prompt.len() as u32;
     let mut streamer = TextStream::new(tok, prompt.len(), eos);
-    let visual = a.visual && !a.json;
+    // The canvas is drawn with escape codes: only on a terminal.
+    let visual = a.visual && !a.json && std::io::stdout().is_terminal();
+    if a.visual && !a.json && !visual {
+        eprintln!("note: --visual needs a terminal; printing the answer as text");
+    }
     let mut canvas = Canvas {
         prompt_len,
         cells: vec![(' ', String::new()); gen],
@@ -350,13 +364,6 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     })?;
     let decode_s = decode_start.elapsed().as_secs_f64();
     if let Some(path) = &a.prompt_cache {
-        if session.last_reused > 0 {
-            eprintln!(
-                "prompt cache: reused {} of {} prompt tokens",
-                session.last_reused,
-                prompt.len()
-            );
-        }
         session.cache.save_prefix(path, model_hash, &prompt, b"")?;
     }
     let text = tok.decode(result.answer(), true)?;
