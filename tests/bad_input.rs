@@ -597,3 +597,56 @@ fn contexts_beyond_what_was_set_or_trained() {
         stderr(&o)
     );
 }
+
+/// llama.cpp's flags: -ctk/-ctv (one type for both), -fa and -cnv refused by name before
+/// loading, `-f -` reads the prompt from standard input, `--log-disable` keeps stderr quiet, and
+/// a missing `-f FILE` is refused before the model loads.
+#[test]
+fn llama_cpp_flags_work_or_are_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let never = tmp.path().join("never-opened.gguf");
+    let m = never.to_str().unwrap();
+    for (args, needle) in [
+        (vec!["-fa", "on"], "-fa on: refusion has one attention path"),
+        (vec!["-ctk", "f16", "-ctv", "f32"], "-ctk f16 and -ctv f32"),
+        (vec!["-cnv"], "-cnv: for a conversation, use refusion chat"),
+        (
+            vec!["-f", "/nonexistent/prompt.txt"],
+            "/nonexistent/prompt.txt",
+        ),
+    ] {
+        let mut all = vec!["generate", "-m", m];
+        if !args.contains(&"-f") {
+            all.extend(["-p", "hi"]);
+        }
+        all.extend(args);
+        let o = run(&all);
+        assert_fails_with(&o, &[needle]);
+        assert!(
+            !stderr(&o).contains("never-opened"),
+            "loaded first: {}",
+            stderr(&o)
+        );
+    }
+    let model = tiny_refusion_gguf(tmp.path());
+    let mut child = std::process::Command::new(bin())
+        .args(["generate", "-m", model.to_str().unwrap(), "-f", "-"])
+        .args(["-n", "8", "--slot-size", "4", "--log-disable"])
+        .args(["-ctk", "f16", "-ctv", "f16"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Tell me about the sea.")
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stdout(&o).trim().is_empty());
+    assert_eq!(stderr(&o), "", "--log-disable leaves stderr empty");
+}

@@ -43,7 +43,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     super::set_threads(a.model.threads)?;
     let threads = rayon::current_num_threads();
-    let opts = a.model.load_options(!a.json);
+    let opts = a.model.load_options(!a.json)?;
     let largest = a.n_tokens.iter().copied().max().unwrap_or(1);
     // Never more than the user set: a test that does not fit is refused, before loading.
     if opts.context != 0 && a.prefix + largest > opts.context {

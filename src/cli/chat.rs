@@ -76,7 +76,7 @@ fn restore<M: crate::model::Forward + ?Sized>(
 pub fn run(a: ChatArgs) -> Result<()> {
     a.decode.check()?;
     super::set_threads(a.model.threads)?;
-    let loaded = load(&a.model.load_options(true))?;
+    let loaded = load(&a.model.load_options(true)?)?;
     let header = &loaded.file.header;
     let params = a.decode.params(header, &loaded.tokenizer)?;
     let source = header

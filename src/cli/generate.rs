@@ -27,7 +27,7 @@ pub struct GenerateArgs {
     /// Prompt text (sent through the model's chat template unless --no-chat-template).
     #[arg(short = 'p', long)]
     prompt: Option<String>,
-    /// Read the prompt text from a file.
+    /// Read the prompt text from a file (`-` for standard input).
     #[arg(short = 'f', long)]
     file: Option<PathBuf>,
     /// Prompt as token ids, fed as they are (no template).
@@ -39,6 +39,9 @@ pub struct GenerateArgs {
     /// Tokenize the prompt text as it is, without the chat template.
     #[arg(long)]
     no_chat_template: bool,
+    /// llama-cli's -cnv: refused, pointing to `refusion chat`.
+    #[arg(long = "conversation", hide = true)]
+    conversation: bool,
     #[command(flatten)]
     decode: DecodeArgs,
     /// Print one JSON object with the tokens, text and figures instead of streaming text.
@@ -244,11 +247,33 @@ fn as_f64(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(x as f64)
 }
 
+/// The text of `-f FILE` (`-f -`: standard input), read before the model loads.
+fn read_prompt_file(path: &std::path::Path) -> Result<String> {
+    if path.as_os_str() == "-" {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+            .context("reading the prompt from standard input")?;
+        return Ok(text);
+    }
+    if path.is_dir() {
+        bail!("{}: is a directory, not a prompt file", path.display());
+    }
+    std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))
+}
+
 pub fn run(a: GenerateArgs) -> Result<()> {
     a.decode.check()?;
+    if a.conversation {
+        bail!("-cnv: for a conversation, use refusion chat (generate answers one prompt)");
+    }
     super::set_threads(a.model.threads)?;
+    let opts = a.model.load_options(true)?;
+    let file_text = match (&a.prompt_ids, &a.prompt, &a.file) {
+        (None, None, Some(path)) => Some(read_prompt_file(path)?),
+        _ => None,
+    };
     let start = Instant::now();
-    let loaded = load(&a.model.load_options(true))?;
+    let loaded = load(&opts)?;
     let tok = &loaded.tokenizer;
     let header = &loaded.file.header;
 
@@ -265,10 +290,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         (_, Some(text), _) => {
             prompt_tokens(tok, header, text, a.system.as_deref(), !a.no_chat_template)?
         }
-        (_, _, Some(path)) => {
-            let text =
-                std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
-            prompt_tokens(tok, header, &text, a.system.as_deref(), !a.no_chat_template)?
+        (_, _, Some(_)) => {
+            let text = file_text.as_deref().unwrap_or_default();
+            prompt_tokens(tok, header, text, a.system.as_deref(), !a.no_chat_template)?
         }
         _ => bail!("give a prompt with -p, -f or --prompt-ids"),
     };
@@ -404,7 +428,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         } else {
             println!();
         }
-        if std::io::stderr().is_terminal() || !a.json {
+        if (std::io::stderr().is_terminal() || !a.json) && !a.model.log_disable {
             eprintln!();
             eprintln!(
                 "refusion: load time     = {:>10.2} ms",

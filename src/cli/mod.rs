@@ -79,6 +79,10 @@ fn llama_cpp_flag(arg: std::ffi::OsString) -> std::ffi::OsString {
         ("-ngl", "--n-gpu-layers"),
         ("-ub", "--ubatch-size"),
         ("-sys", "--system"),
+        ("-ctk", "--cache-type-k"),
+        ("-ctv", "--cache-type-v"),
+        ("-fa", "--flash-attn"),
+        ("-cnv", "--conversation"),
     ] {
         if s == short {
             return long.into();

@@ -41,6 +41,19 @@ pub struct ModelArgs {
     /// way.
     #[arg(long)]
     pub no_mmap: bool,
+    /// No notes on stderr (the memory plan, the load line); errors still print (llama.cpp's
+    /// --log-disable).
+    #[arg(long)]
+    pub log_disable: bool,
+    /// llama.cpp's -ctk/-ctv: refusion keeps K and V in one type, so both must be the same
+    /// (and then act as --cache-type).
+    #[arg(long = "cache-type-k", hide = true, value_parser = parse_cache_type)]
+    cache_type_k: Option<CacheType>,
+    #[arg(long = "cache-type-v", hide = true, value_parser = parse_cache_type)]
+    cache_type_v: Option<CacheType>,
+    /// llama.cpp's -fa: refused by name (one attention path here).
+    #[arg(long = "flash-attn", hide = true, allow_hyphen_values = true)]
+    flash_attn: Option<String>,
 }
 
 fn parse_ubatch(s: &str) -> Result<usize, String> {
@@ -65,17 +78,33 @@ fn parse_device(s: &str) -> Result<DeviceChoice, String> {
 }
 
 impl ModelArgs {
-    pub fn load_options(&self, verbose: bool) -> LoadOptions {
-        LoadOptions {
+    /// What to load, after checking llama.cpp's flags that map onto ours or cannot.
+    pub fn load_options(&self, verbose: bool) -> anyhow::Result<LoadOptions> {
+        if let Some(v) = &self.flash_attn {
+            anyhow::bail!(
+                "-fa {v}: refusion has one attention path (no flash-attention switch); drop the flag"
+            );
+        }
+        let cache_type = match (self.cache_type_k, self.cache_type_v) {
+            (None, None) => self.cache_type,
+            (Some(k), Some(v)) if k != v => anyhow::bail!(
+                "-ctk {} and -ctv {}: refusion keeps K and V in one type; give the same to both \
+                 (or --cache-type)",
+                format!("{k:?}").to_lowercase(),
+                format!("{v:?}").to_lowercase()
+            ),
+            (Some(t), _) | (_, Some(t)) => t,
+        };
+        Ok(LoadOptions {
             path: self.model.clone(),
             context: self.ctx_size,
-            cache_type: self.cache_type,
+            cache_type,
             kv_file: self.kv_file.clone(),
             device: self.device.clone(),
             gpu_layers: self.gpu_layers,
             ubatch: self.ubatch,
             no_mmap: self.no_mmap,
-            verbose,
-        }
+            verbose: verbose && !self.log_disable,
+        })
     }
 }

@@ -105,7 +105,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         grace: seconds("--shutdown-timeout", a.shutdown_timeout)?,
         max_connections: a.max_connections,
     };
-    let loaded = load(&a.model.load_options(true))?;
+    let loaded = load(&a.model.load_options(true)?)?;
     let base = a.decode.params(&loaded.file.header, &loaded.tokenizer)?;
     let model_name = a.alias.clone().unwrap_or_else(|| {
         loaded
