@@ -37,6 +37,38 @@ fn llama_server_utilities() {
     let model = tiny_refusion_gguf(tmp.path());
     let server = Server::start(&model, &[]);
     server.client("llama");
+    // One log line per request (method, path, status, time), and the worker's per answer.
+    std::thread::sleep(Duration::from_millis(200));
+    let log = server.log_lines().join("\n");
+    for line in [
+        "POST /tokenize 200",
+        "POST /detokenize 400",
+        "GET /props 200",
+        "POST /v1/completions 200",
+    ] {
+        assert!(log.contains(line), "no '{line}' in the log:\n{log}");
+    }
+    assert!(
+        log.contains("generated ") && log.contains("-token prompt"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("user agent"),
+        "-v's detail without -v:\n{log}"
+    );
+    drop(server);
+    // -v adds the client's user agent; --log-disable leaves only the start and stop lines.
+    let server = Server::start(&model, &["-v"]);
+    server.client("llama");
+    std::thread::sleep(Duration::from_millis(200));
+    let log = server.log_lines().join("\n");
+    assert!(log.contains("user agent Python-urllib"), "{log}");
+    drop(server);
+    let server = Server::start(&model, &["--log-disable"]);
+    server.client("llama");
+    std::thread::sleep(Duration::from_millis(200));
+    let log = server.log_lines().join("\n");
+    assert!(!log.contains("POST /tokenize"), "{log}");
 }
 
 #[test]

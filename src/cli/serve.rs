@@ -36,6 +36,9 @@ pub struct ServeArgs {
     /// Largest max_tokens a request may ask for.
     #[arg(long, default_value_t = 2048)]
     max_gen_length: u32,
+    /// More in the request log (the user agent, body sizes).
+    #[arg(short = 'v', long)]
+    verbose: bool,
     /// The model id reported by /v1/models (default: general.name).
     #[arg(long)]
     alias: Option<String>,
@@ -84,8 +87,25 @@ fn warn_if_beyond_fd_limit(max_connections: usize) {
     }
 }
 
+/// The request log on stderr: `-v` for more, `--log-disable` for none.
+fn init_log(verbose: bool, disabled: bool) {
+    use tracing_subscriber::filter::LevelFilter;
+    let level = match (disabled, verbose) {
+        (true, _) => LevelFilter::OFF,
+        (false, true) => LevelFilter::DEBUG,
+        (false, false) => LevelFilter::INFO,
+    };
+    // Only our lines: hyper and tokio log through `tracing` too, at DEBUG and below.
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
 pub fn run(a: ServeArgs) -> Result<()> {
     a.decode.check()?;
+    init_log(a.verbose, a.model.log_disable);
     super::set_threads(a.model.threads)?;
     if a.queue == 0 {
         anyhow::bail!("--queue must be at least 1");

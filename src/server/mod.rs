@@ -574,6 +574,32 @@ async fn first_signal(mut signals: Signals, shutdown: Arc<Shutdown>, grace: std:
     });
 }
 
+/// One log line per request (`tracing`, on stderr): method, path, status and the time to the
+/// answer's head (a streamed answer's tokens are logged by the worker when it ends); `-v` adds
+/// the client's user agent and the body's size.
+async fn log_request(req: Request, next: Next) -> Response {
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        let value = |name: header::HeaderName| -> String {
+            req.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("-")
+                .to_string()
+        };
+        let (agent, length) = (value(header::USER_AGENT), value(header::CONTENT_LENGTH));
+        tracing::debug!("{method} {path}: user agent {agent}, body {length} bytes");
+    }
+    let start = std::time::Instant::now();
+    let res = next.run(req).await;
+    tracing::info!(
+        "{method} {path} {} {:.1} ms",
+        res.status().as_u16(),
+        start.elapsed().as_secs_f64() * 1e3
+    );
+    res
+}
+
 /// The routes, each answering 405 with the error object to other methods, behind the API key
 /// check (outermost, before the body is read) and the body reader.
 fn router(state: AppState) -> Router {
@@ -638,5 +664,6 @@ fn router(state: AppState) -> Router {
         .layer(DefaultBodyLimit::max(state.body.max_bytes))
         .layer(middleware::from_fn_with_state(state.body, read_body))
         .layer(middleware::from_fn_with_state(state.clone(), require_key))
+        .layer(middleware::from_fn(log_request))
         .with_state(state)
 }

@@ -324,6 +324,13 @@ fn run_job(
             } else {
                 "length"
             };
+            tracing::info!(
+                "generated {} tokens for a {}-token prompt ({} from the cache), TPF {:.2}, {finish_reason}",
+                r.answer().len(),
+                prompt.len(),
+                session.last_reused,
+                r.tpf
+            );
             let _ = tx.send(Msg::Done {
                 finish_reason,
                 prompt_tokens: prompt.len(),
@@ -345,11 +352,11 @@ fn run_job(
             Ok(())
         }
         Err(Error::Cancelled) if shutdown.requested() => {
-            eprintln!("refusion serve: shutting down: the generation in progress was cancelled");
+            tracing::warn!("shutting down: the generation in progress was cancelled");
             Err(shutting_down())
         }
         Err(Error::Cancelled) => {
-            eprintln!("refusion serve: the client went away; its generation was cancelled");
+            tracing::info!("the client went away; its generation was cancelled");
             Ok(())
         }
         Err(e) => Err(ApiError::new(
