@@ -168,14 +168,67 @@ pub struct CompletionRequest {
     pub knobs: Knobs,
 }
 
-/// Parses a JSON body, turning every problem into a 400 that says what is wrong.
+/// Parses a JSON body, turning every problem into a 400 that says what is wrong in plain
+/// words, naming the field (`max_tokens must be an integer`) and setting `param` to it.
 pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| {
-        let what = if e.is_syntax() || e.is_eof() {
-            "malformed JSON"
-        } else {
-            "invalid request"
-        };
-        ApiError::bad_request(format!("{what}: {e}"))
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let (mut path, mut inner) = (e.path().to_string(), e.into_inner());
+        if path == "." && !(inner.is_syntax() || inner.is_eof()) {
+            // serde loses the path inside `#[serde(flatten)]`: the shared knobs are read on
+            // their own to find the field.
+            let de = &mut serde_json::Deserializer::from_slice(body);
+            if let Err(e) = serde_path_to_error::deserialize::<_, Knobs>(de) {
+                if e.path().to_string() != "." {
+                    (path, inner) = (e.path().to_string(), e.into_inner());
+                }
+            }
+        }
+        if inner.is_syntax() || inner.is_eof() {
+            return ApiError::bad_request(format!("malformed JSON: {inner}"));
+        }
+        let msg = inner.to_string();
+        let msg = msg.split(" at line ").next().unwrap_or(&msg);
+        // A missing field is reported on the object that lacks it.
+        if let Some(field) = msg
+            .strip_prefix("missing field `")
+            .and_then(|m| m.strip_suffix('`'))
+        {
+            return ApiError::bad_request(format!("{field} is required")).param(field);
+        }
+        if path == "." || path.is_empty() {
+            return ApiError::bad_request(format!("invalid request: {msg}"));
+        }
+        ApiError::bad_request(format!("{path} {}", plain(&path, msg))).param(&path)
     })
+}
+
+/// What a field must be, from serde's message about it.
+fn plain(path: &str, msg: &str) -> String {
+    let expected = msg.rsplit("expected ").next().unwrap_or(msg);
+    let unsigned = ["u8", "u16", "u32", "u64", "usize"]
+        .iter()
+        .any(|t| expected.starts_with(t));
+    if unsigned {
+        "must be an integer of 0 or more".into()
+    } else if expected.starts_with("i32") || expected.starts_with("i64") {
+        "must be an integer".into()
+    } else if expected.starts_with("f32") || expected.starts_with("f64") {
+        "must be a number".into()
+    } else if expected.starts_with("a boolean") {
+        "must be true or false".into()
+    } else if expected.starts_with("a string") {
+        "must be a string".into()
+    } else if expected.starts_with("a sequence") {
+        "must be a list".into()
+    } else if msg.contains("untagged enum") {
+        match path.rsplit('.').next().unwrap_or(path) {
+            "prompt" => "must be a string, a list of one string, or token ids".into(),
+            "stop" => "must be a string or a list of strings".into(),
+            "content" => "must be a string or a list of text parts".into(),
+            _ => format!("has the wrong type ({msg})"),
+        }
+    } else {
+        format!("is invalid ({msg})")
+    }
 }

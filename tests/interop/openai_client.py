@@ -186,5 +186,21 @@ elif mode == "llama":
     assert b["default_generation_settings"]["n_ctx"] > 0, b
     assert b["default_generation_settings"]["params"]["n_predict"] > 0, b
     assert "im_start" in b["chat_template"], b["chat_template"][:200]
+    # JSON errors name the field in plain words and set `param`.
+    msgs = [{"role": "user", "content": "hi"}]
+    for body, param, words in [
+        ({"messages": msgs, "max_tokens": "many"}, "max_tokens", "max_tokens must be an integer of 0 or more"),
+        ({"messages": msgs, "max_tokens": -3}, "max_tokens", "max_tokens must be an integer of 0 or more"),
+        ({"messages": msgs, "temperature": "hot"}, "temperature", "temperature must be a number"),
+        ({"messages": msgs, "stream": "yes"}, "stream", "stream must be true or false"),
+        ({"messages": msgs, "stop": 5}, "stop", "stop must be a string or a list of strings"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string or a list of text parts"),
+        ({"max_tokens": 4}, "messages", "messages is required"),
+    ]:
+        s, b = raw("/v1/chat/completions", body)
+        check_error(s, b, 400, words)
+        assert b["error"]["param"] == param, (body, b)
+    s, b = raw("/v1/completions", {"prompt": {"text": "hi"}})
+    check_error(s, b, 400, "prompt must be a string, a list of one string, or token ids")
 
 print("OK")
