@@ -323,3 +323,45 @@ fn no_escape_codes_off_a_terminal_and_notes_before_the_answer() {
     let at = merged.find(&answer).expect(&merged);
     assert!(note < at, "the note comes after the answer:\n{merged}");
 }
+
+/// `refusion bench` as llama-bench: prompt tests (`-p`) and generation tests (`-n`), in its
+/// table (`-o md`), one JSON array (`-o json`), JSON lines (`--json`) or CSV (`-o csv`).
+#[test]
+fn bench_output_formats_and_generation_tests() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let m = model.to_str().unwrap();
+    let bench = |extra: &[&str]| {
+        let mut args = vec!["bench", "-m", m, "-p", "4", "-n", "3", "-r", "1", "-d", "8"];
+        args.extend(extra);
+        let o = run(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let md = bench(&[]);
+    assert!(md.contains("pp4 @ d8") && md.contains("tg3 @ d8"), "{md}");
+    assert!(md.starts_with("| model"), "{md}");
+    let json: serde_json::Value = serde_json::from_str(&bench(&["-o", "json"])).unwrap();
+    let rows = json.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1]["test"], "tg3 @ d8");
+    assert!(rows
+        .iter()
+        .all(|r| r["tokens_per_s"].as_f64().unwrap() > 0.0));
+    let lines = bench(&["--json"]);
+    assert_eq!(lines.lines().count(), 2, "{lines}");
+    for l in lines.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert!(v["n_tokens"].as_u64().unwrap() > 0);
+    }
+    let csv = bench(&["-o", "csv"]);
+    let mut it = csv.lines();
+    assert!(it.next().unwrap().starts_with("model,size,params"));
+    assert_eq!(
+        it.filter(|l| l.contains(",tg3 @ d8,3,8,")).count(),
+        1,
+        "{csv}"
+    );
+    let o = run(&["bench", "-m", m, "-o", "xml"]);
+    assert_fails_with(&o, &["xml"]);
+}

@@ -29,26 +29,51 @@ pub struct BenchArgs {
     /// Timed repetitions per size (after one warm-up).
     #[arg(short = 'r', long, default_value_t = 5)]
     repetitions: usize,
-    /// One JSON object per line instead of the table.
+    /// Generated tokens per test, comma-separated (llama-bench's `-n`): one-token forwards
+    /// in sequence, each appended to the cache, as autoregressive decoding runs.
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',')]
+    n_gen: Vec<usize>,
+    /// Output format, as llama-bench's `-o`: md (the table), json (one array), jsonl (one
+    /// object per line), csv.
+    #[arg(short = 'o', long = "output", default_value = "md", value_parser = ["md", "json", "jsonl", "csv"])]
+    output: String,
+    /// One JSON object per line (the same as `-o jsonl`).
     #[arg(long)]
     json: bool,
+}
+
+/// One test's result.
+struct Row {
+    test: String,
+    n: usize,
+    tokens_per_s: f64,
+    sd: f64,
+    ms_per_forward: f64,
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.repetitions == 0 {
         bail!("-r must be at least 1");
     }
-    if a.n_tokens.contains(&0) {
-        bail!("-p sizes must be positive");
+    if a.n_tokens.contains(&0) || a.n_gen.contains(&0) {
+        bail!("-p and -n sizes must be positive");
     }
+    let format = if a.json { "jsonl" } else { a.output.as_str() };
+    let table = format == "md";
     super::set_threads(a.model.threads)?;
     let threads = rayon::current_num_threads();
-    let opts = a.model.load_options(!a.json)?;
-    let largest = a.n_tokens.iter().copied().max().unwrap_or(1);
+    let opts = a.model.load_options(table)?;
+    let (flag, largest) = a
+        .n_tokens
+        .iter()
+        .map(|&n| ("-p", n))
+        .chain(a.n_gen.iter().map(|&n| ("-n", n)))
+        .max_by_key(|&(_, n)| n)
+        .unwrap_or(("-p", 1));
     // Never more than the user set: a test that does not fit is refused, before loading.
     if opts.context != 0 && a.prefix + largest > opts.context {
         bail!(
-            "-d {} plus -p {largest} is {} tokens, more than the context (-c {}); raise -c",
+            "-d {} plus {flag} {largest} is {} tokens, more than the context (-c {}); raise -c",
             a.prefix,
             a.prefix + largest,
             opts.context
@@ -95,7 +120,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         loaded.model.forward(&b, cache)?;
         cache.commit_row(0)?;
     }
-    if !a.json {
+    if table {
         if let Some(rss) = rss {
             eprintln!(
                 "resident memory after load: {} (file {})",
@@ -112,23 +137,26 @@ pub fn run(a: BenchArgs) -> Result<()> {
         Some(o) => format!("CUDA ngl {}{}", o.layers, if o.output { "+o" } else { "" }),
         None => "CPU".to_string(),
     };
-    for &n in &a.n_tokens {
-        let toks: Vec<u32> = (0..n as u32).map(|i| (i * 104_729 + 7) % vocab).collect();
-        let pos: Vec<u32> = (a.prefix as u32..(a.prefix + n) as u32).collect();
-        // Logits for the last token only, as llama-bench's prompt processing.
-        let mut b = Batch::row(&toks, &pos, 0);
-        b.logits_for = LogitsFor::Indices(vec![n - 1]);
-        let mut times = Vec::with_capacity(a.repetitions);
-        for rep in 0..=a.repetitions {
-            let t = Instant::now();
-            loaded.model.forward(&b, cache)?;
-            let dt = t.elapsed().as_secs_f64();
-            cache.clear_rows();
-            if rep > 0 {
-                times.push(dt);
-            }
-        }
-        if !a.json && n == a.n_tokens[0] {
+    let model_name = format!("{name} {file_type}");
+    let params_text = if params >= 1_000_000_000 {
+        format!("{:.2} B", params as f64 / 1e9)
+    } else {
+        format!("{:.2} M", params as f64 / 1e6)
+    };
+    let kernels = crate::model::kquants::path_name();
+    let mut rows = Vec::new();
+    let tests = a
+        .n_tokens
+        .iter()
+        .map(|&n| (false, n))
+        .chain(a.n_gen.iter().map(|&n| (true, n)));
+    for (gen, n) in tests {
+        let times = if gen {
+            time_generation(&loaded.model, cache, a.prefix, n, vocab, a.repetitions)?
+        } else {
+            time_prompt(&loaded.model, cache, a.prefix, n, vocab, a.repetitions)?
+        };
+        if table && rows.is_empty() {
             if let Some(rss) = resident_bytes() {
                 eprintln!(
                     "resident memory after the first forwards: {}",
@@ -136,43 +164,140 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 );
             }
         }
-        times.sort_by(f64::total_cmp);
-        let median = times[times.len() / 2];
-        let rates: Vec<f64> = times.iter().map(|t| n as f64 / t).collect();
-        let mean = rates.iter().sum::<f64>() / rates.len() as f64;
-        let sd = (rates.iter().map(|r| (r - mean).powi(2)).sum::<f64>()
-            / rates.len().max(2).saturating_sub(1) as f64)
-            .sqrt();
-        let tps = n as f64 / median;
-        if a.json {
-            println!(
-                "{}",
-                serde_json::json!({
-                    "n_tokens": n,
-                    "prefix": a.prefix,
-                    "tokens_per_s": tps,
-                    "ms_per_forward": median * 1e3,
-                    "threads": threads,
-                    "backend": backend,
-                    "kernels": crate::model::kquants::path_name(),
-                })
-            );
-        } else {
-            println!(
+        let row = summarize(
+            format!("{}{n} @ d{}", if gen { "tg" } else { "pp" }, a.prefix),
+            n,
+            gen,
+            times,
+        );
+        match format {
+            "md" => println!(
                 "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>15} | {:>20} |",
-                format!("{name} {file_type}"),
+                model_name,
                 human_bytes(size),
-                if params >= 1_000_000_000 {
-                    format!("{:.2} B", params as f64 / 1e9)
-                } else {
-                    format!("{:.2} M", params as f64 / 1e6)
-                },
+                params_text,
                 backend,
                 threads,
-                format!("pp{n} @ d{}", a.prefix),
-                format!("{tps:.2} ± {sd:.2}"),
-            );
+                row.test,
+                format!("{:.2} ± {:.2}", row.tokens_per_s, row.sd),
+            ),
+            "jsonl" => println!("{}", row_json(&row, a.prefix, threads, &backend, kernels)),
+            _ => {}
         }
+        rows.push(row);
+    }
+    match format {
+        "json" => {
+            let all: Vec<_> = rows
+                .iter()
+                .map(|r| row_json(r, a.prefix, threads, &backend, kernels))
+                .collect();
+            println!("{}", serde_json::Value::Array(all));
+        }
+        "csv" => {
+            println!("model,size,params,backend,threads,kernels,test,n_tokens,prefix,tokens_per_s,stddev,ms_per_forward");
+            for r in &rows {
+                println!(
+                    "\"{model_name}\",{size},{params},{backend},{threads},{kernels},{},{},{},{:.4},{:.4},{:.4}",
+                    r.test, r.n, a.prefix, r.tokens_per_s, r.sd, r.ms_per_forward
+                );
+            }
+        }
+        _ => {}
     }
     Ok(())
+}
+
+/// `n` new tokens in one forward over `prefix` cached entries, `reps` timed runs after a
+/// warm-up; logits for the last token only, as llama-bench's prompt processing.
+fn time_prompt(
+    model: &dyn Forward,
+    cache: &mut crate::kv::KvCache,
+    prefix: usize,
+    n: usize,
+    vocab: u32,
+    reps: usize,
+) -> Result<Vec<f64>> {
+    let toks: Vec<u32> = (0..n as u32).map(|i| (i * 104_729 + 7) % vocab).collect();
+    let pos: Vec<u32> = (prefix as u32..(prefix + n) as u32).collect();
+    let mut b = Batch::row(&toks, &pos, 0);
+    b.logits_for = LogitsFor::Indices(vec![n - 1]);
+    let mut times = Vec::with_capacity(reps);
+    for rep in 0..=reps {
+        let t = Instant::now();
+        model.forward(&b, cache)?;
+        let dt = t.elapsed().as_secs_f64();
+        cache.clear_rows();
+        if rep > 0 {
+            times.push(dt);
+        }
+    }
+    Ok(times)
+}
+
+/// `n` one-token forwards in sequence, each committed to the cache (autoregressive decoding's
+/// shape), timed as a whole per run; the cache is cropped back to `prefix` after each.
+fn time_generation(
+    model: &dyn Forward,
+    cache: &mut crate::kv::KvCache,
+    prefix: usize,
+    n: usize,
+    vocab: u32,
+    reps: usize,
+) -> Result<Vec<f64>> {
+    let mut times = Vec::with_capacity(reps);
+    for rep in 0..=reps {
+        let t = Instant::now();
+        for i in 0..n {
+            let tok = [(i as u32 * 7_919 + 11) % vocab];
+            let pos = [(prefix + i) as u32];
+            model.forward(&Batch::row(&tok, &pos, 0), cache)?;
+            cache.commit_row(0)?;
+        }
+        let dt = t.elapsed().as_secs_f64();
+        cache.crop(prefix);
+        if rep > 0 {
+            times.push(dt);
+        }
+    }
+    Ok(times)
+}
+
+/// The median rate, and the spread of the runs' rates (llama-bench's `avg ± sd`).
+fn summarize(test: String, n: usize, gen: bool, mut times: Vec<f64>) -> Row {
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let rates: Vec<f64> = times.iter().map(|t| n as f64 / t).collect();
+    let mean = rates.iter().sum::<f64>() / rates.len() as f64;
+    let sd = (rates.iter().map(|r| (r - mean).powi(2)).sum::<f64>()
+        / rates.len().max(2).saturating_sub(1) as f64)
+        .sqrt();
+    let forwards = if gen { n } else { 1 };
+    Row {
+        test,
+        n,
+        tokens_per_s: n as f64 / median,
+        sd,
+        ms_per_forward: median * 1e3 / forwards as f64,
+    }
+}
+
+fn row_json(
+    r: &Row,
+    prefix: usize,
+    threads: usize,
+    backend: &str,
+    kernels: &str,
+) -> serde_json::Value {
+    serde_json::json!({
+        "test": r.test,
+        "n_tokens": r.n,
+        "prefix": prefix,
+        "tokens_per_s": r.tokens_per_s,
+        "stddev": r.sd,
+        "ms_per_forward": r.ms_per_forward,
+        "threads": threads,
+        "backend": backend,
+        "kernels": kernels,
+    })
 }
