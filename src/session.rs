@@ -77,8 +77,6 @@ impl<'m, M: Forward + ?Sized> Session<'m, M> {
         self.tokenizer.encode(&t.render(messages, true)?)
     }
 
-    /// Keeps the longest cached prefix of `prompt` (dropping everything else) and returns its
-    /// length. At least one prompt token is left to feed, so the first forward has an input.
     /// Keeps the cached prefix `prompt` shares and returns its length, as `generate` will
     /// (idempotent), so that a front end can report the reuse before the answer.
     pub fn prepare(&mut self, prompt: &[u32]) -> usize {
@@ -86,6 +84,8 @@ impl<'m, M: Forward + ?Sized> Session<'m, M> {
         self.last_reused
     }
 
+    /// Keeps the longest cached prefix of `prompt` (dropping everything else) and returns its
+    /// length. At least one prompt token is left to feed, so the first forward has an input.
     fn reuse_prefix(&mut self, prompt: &[u32]) -> usize {
         let mut n = self
             .cached

@@ -608,7 +608,9 @@ fn llama_cpp_flags_work_or_are_refused_by_name() {
     let m = never.to_str().unwrap();
     for (args, needle) in [
         (vec!["-fa", "on"], "-fa on: refusion has one attention path"),
+        (vec!["-fa"], "-fa on: refusion has one attention path"),
         (vec!["-ctk", "f16", "-ctv", "f32"], "-ctk f16 and -ctv f32"),
+        (vec!["-ctk", "f16"], "-ctk f16 alone"),
         (vec!["-cnv"], "-cnv: for a conversation, use refusion chat"),
         (
             vec!["-f", "/nonexistent/prompt.txt"],
@@ -632,7 +634,7 @@ fn llama_cpp_flags_work_or_are_refused_by_name() {
     let mut child = std::process::Command::new(bin())
         .args(["generate", "-m", model.to_str().unwrap(), "-f", "-"])
         .args(["-n", "8", "--slot-size", "4", "--log-disable"])
-        .args(["-ctk", "f16", "-ctv", "f16"])
+        .args(["-ctk", "f16", "-ctv", "f16", "-fa", "off"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

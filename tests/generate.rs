@@ -364,4 +364,12 @@ fn bench_output_formats_and_generation_tests() {
     );
     let o = run(&["bench", "-m", m, "-o", "xml"]);
     assert_fails_with(&o, &["xml"]);
+    // 0 skips a kind of test, as in llama-bench.
+    let o = run(&[
+        "bench", "-m", m, "-p", "0", "-n", "2", "-r", "1", "-d", "4", "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).lines().count(), 1, "{}", stdout(&o));
+    let o = run(&["bench", "-m", m, "-p", "0"]);
+    assert_fails_with(&o, &["nothing to measure"]);
 }

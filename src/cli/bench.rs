@@ -55,8 +55,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.repetitions == 0 {
         bail!("-r must be at least 1");
     }
-    if a.n_tokens.contains(&0) || a.n_gen.contains(&0) {
-        bail!("-p and -n sizes must be positive");
+    // 0 skips a kind of test, as in llama-bench (`-p 0 -n 128`: generation only).
+    let mut a = a;
+    a.n_tokens.retain(|&n| n > 0);
+    a.n_gen.retain(|&n| n > 0);
+    if a.n_tokens.is_empty() && a.n_gen.is_empty() {
+        bail!("nothing to measure: -p and -n are both 0");
     }
     let format = if a.json { "jsonl" } else { a.output.as_str() };
     let table = format == "md";

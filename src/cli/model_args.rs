@@ -51,8 +51,9 @@ pub struct ModelArgs {
     cache_type_k: Option<CacheType>,
     #[arg(long = "cache-type-v", hide = true, value_parser = parse_cache_type)]
     cache_type_v: Option<CacheType>,
-    /// llama.cpp's -fa: refused by name (one attention path here).
-    #[arg(long = "flash-attn", hide = true, allow_hyphen_values = true)]
+    /// llama.cpp's -fa [on|off|auto]: refusion has one attention path, which is what off and
+    /// auto give; on is refused by name.
+    #[arg(long = "flash-attn", hide = true, num_args = 0..=1, default_missing_value = "on")]
     flash_attn: Option<String>,
 }
 
@@ -80,20 +81,31 @@ fn parse_device(s: &str) -> Result<DeviceChoice, String> {
 impl ModelArgs {
     /// What to load, after checking llama.cpp's flags that map onto ours or cannot.
     pub fn load_options(&self, verbose: bool) -> anyhow::Result<LoadOptions> {
-        if let Some(v) = &self.flash_attn {
-            anyhow::bail!(
-                "-fa {v}: refusion has one attention path (no flash-attention switch); drop the flag"
-            );
+        if let Some(v) = self.flash_attn.as_deref() {
+            if !matches!(v, "off" | "0" | "auto") {
+                anyhow::bail!(
+                    "-fa {v}: refusion has one attention path (no flash-attention switch); drop the flag"
+                );
+            }
         }
+        let one = |flag: &str, t: CacheType| {
+            anyhow::anyhow!(
+                "{flag} {} alone: refusion keeps K and V in one type; give -ctk and -ctv the same \
+                 type (or --cache-type)",
+                format!("{t:?}").to_lowercase()
+            )
+        };
         let cache_type = match (self.cache_type_k, self.cache_type_v) {
             (None, None) => self.cache_type,
+            (Some(k), None) => return Err(one("-ctk", k)),
+            (None, Some(v)) => return Err(one("-ctv", v)),
             (Some(k), Some(v)) if k != v => anyhow::bail!(
                 "-ctk {} and -ctv {}: refusion keeps K and V in one type; give the same to both \
                  (or --cache-type)",
                 format!("{k:?}").to_lowercase(),
                 format!("{v:?}").to_lowercase()
             ),
-            (Some(t), _) | (_, Some(t)) => t,
+            (Some(t), Some(_)) => t,
         };
         Ok(LoadOptions {
             path: self.model.clone(),

@@ -93,7 +93,15 @@ impl Content {
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
+    /// Absent is empty (ollama's client drops empty fields).
+    #[serde(default)]
     pub content: Content,
+}
+
+impl Default for Content {
+    fn default() -> Content {
+        Content::Null(())
+    }
 }
 
 /// `stop`: one string or a list.
@@ -171,10 +179,19 @@ pub struct CompletionRequest {
 /// Parses a JSON body, turning every problem into a 400 that says what is wrong in plain
 /// words, naming the field (`max_tokens must be an integer`) and setting `param` to it.
 pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    parse_inner(body, false)
+}
+
+/// [`parse`] for the OpenAI requests, whose [`Knobs`] are flattened into them.
+pub fn parse_with_knobs<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    parse_inner(body, true)
+}
+
+fn parse_inner<T: serde::de::DeserializeOwned>(body: &[u8], knobs: bool) -> Result<T, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let (mut path, mut inner) = (e.path().to_string(), e.into_inner());
-        if path == "." && !(inner.is_syntax() || inner.is_eof()) {
+        if knobs && path == "." && !(inner.is_syntax() || inner.is_eof()) {
             // serde loses the path inside `#[serde(flatten)]`: the shared knobs are read on
             // their own to find the field.
             let de = &mut serde_json::Deserializer::from_slice(body);
@@ -194,7 +211,12 @@ pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
             .strip_prefix("missing field `")
             .and_then(|m| m.strip_suffix('`'))
         {
-            return ApiError::bad_request(format!("{field} is required")).param(field);
+            let full = if path == "." || path.is_empty() {
+                field.to_string()
+            } else {
+                format!("{path}.{field}")
+            };
+            return ApiError::bad_request(format!("{full} is required")).param(&full);
         }
         if path == "." || path.is_empty() {
             return ApiError::bad_request(format!("invalid request: {msg}"));

@@ -29,8 +29,22 @@ struct DetokenizeRequest {
     tokens: Vec<u32>,
 }
 
+/// Runs `f` off the async threads (tokenizing a long text takes a while).
+async fn blocking(f: impl FnOnce() -> Result<Value, ApiError> + Send + 'static) -> Response {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(Ok(v)) => Json(v).into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(_) => ApiError::new(
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "the tokenizer failed",
+        )
+        .into_response(),
+    }
+}
+
 pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let answer = || -> Result<Value, ApiError> {
+    let answer = move || -> Result<Value, ApiError> {
         let req: TokenizeRequest = parse(&body)?;
         let mut ids = state
             .tokenizer
@@ -54,14 +68,11 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
         }
         Ok(json!({ "tokens": pieces }))
     };
-    match answer() {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    blocking(answer).await
 }
 
 pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let answer = || -> Result<Value, ApiError> {
+    let answer = move || -> Result<Value, ApiError> {
         let req: DetokenizeRequest = parse(&body)?;
         let vocab = state.vocab;
         if let Some(bad) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -76,10 +87,7 @@ pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Resp
             .map_err(|e| ApiError::bad_request(e.to_string()).param("tokens"))?;
         Ok(json!({ "content": content }))
     };
-    match answer() {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    blocking(answer).await
 }
 
 pub async fn props(State(state): State<Arc<AppState>>) -> Response {

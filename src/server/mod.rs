@@ -32,7 +32,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use self::api::{parse, ApiError, ChatRequest, CompletionRequest, PromptField};
+use self::api::{parse_with_knobs, ApiError, ChatRequest, CompletionRequest, PromptField};
 use self::body::{discard_body, read_body, BodyLimits};
 pub use self::conn::ConnLimits;
 use self::signals::Signals;
@@ -271,7 +271,7 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Re
 }
 
 async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let req: ChatRequest = parse(&body)?;
+    let req: ChatRequest = parse_with_knobs(&body)?;
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("messages must not be empty").param("messages"));
     }
@@ -348,7 +348,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
 }
 
 async fn completions_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse(&body)?;
+    let req: CompletionRequest = parse_with_knobs(&body)?;
     let one =
         || ApiError::bad_request("exactly one prompt per request is supported").param("prompt");
     let input = match req.prompt {

@@ -95,9 +95,12 @@ impl ModelCard {
         } else {
             format!("{:.0}M", params as f64 / 1e6)
         };
+        // Within what RFC 3339 can write (humantime panics outside 1970..=9999).
+        let latest = SystemTime::UNIX_EPOCH + Duration::from_secs(253_402_300_799);
         let modified = std::fs::metadata(&file.path)
             .and_then(|m| m.modified())
-            .unwrap_or(SystemTime::UNIX_EPOCH);
+            .unwrap_or(SystemTime::UNIX_EPOCH)
+            .clamp(SystemTime::UNIX_EPOCH, latest);
         ModelCard {
             size: file.file_len(),
             quantization,

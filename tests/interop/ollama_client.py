@@ -48,6 +48,10 @@ assert raw.done and raw.eval_count <= 4, raw
 # An empty prompt only "loads" the model.
 assert client.generate(model=name, prompt="").done_reason == "load"
 
+# An empty system message: the client drops the empty content field; still accepted.
+empty = client.chat(model=name, messages=[{"role": "system", "content": ""}] + messages, options=opts, stream=False)
+assert empty.done, empty
+
 # Errors: ollama's {"error": ...} with the status code.
 try:
     client.chat(model=name, messages=messages, options={"num_predict": -7}, stream=False)

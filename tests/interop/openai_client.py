@@ -196,6 +196,7 @@ elif mode == "llama":
         ({"messages": msgs, "stop": 5}, "stop", "stop must be a string or a list of strings"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string or a list of text parts"),
         ({"max_tokens": 4}, "messages", "messages is required"),
+        ({"messages": [{"content": "hi"}]}, "messages[0].role", "messages[0].role is required"),
     ]:
         s, b = raw("/v1/chat/completions", body)
         check_error(s, b, 400, words)

@@ -227,6 +227,8 @@ pub struct GgufFile {
     mmap: Mmap,
     /// The open file, for reads that should not map pages ([`GgufFile::read_tensor_bytes`]).
     file: File,
+    /// [`GgufFile::layout_hash`], computed at open (before the header's pages are released).
+    layout_hash: u64,
 }
 
 impl GgufFile {
@@ -248,14 +250,16 @@ impl GgufFile {
         // give wrong numbers (every offset was bounds-checked against the mapped length).
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let header = GgufHeader::parse(&mmap).map_err(|msg| Error::bad(path, msg))?;
-        // The header is parsed into owned values: its pages (megabytes of vocabulary) need not
-        // stay resident.
+        let layout_hash = fnv1a(&mmap[..(header.data_offset as usize).min(mmap.len())]);
+        // The header is parsed into owned values and hashed: its pages (megabytes of
+        // vocabulary) need not stay resident.
         crate::hf::release_pages(&mmap, 0, header.data_offset as usize);
         Ok(GgufFile {
             path: path.to_path_buf(),
             header,
             mmap,
             file,
+            layout_hash,
         })
     }
 
@@ -268,7 +272,7 @@ impl GgufFile {
     /// A 64-bit FNV-1a hash of everything before the tensor data: the metadata and the tensor
     /// layout (names, types, shapes, offsets). Identifies the model for saved KV caches.
     pub fn layout_hash(&self) -> u64 {
-        fnv1a(&self.mmap[..(self.header.data_offset as usize).min(self.mmap.len())])
+        self.layout_hash
     }
 
     /// Copies `buf.len()` bytes of a tensor's data from `offset` with a read from the file,
