@@ -241,23 +241,17 @@ fn text_prompts_through_the_chat_template_with_the_real_tokenizer() {
     let b = run(&args);
     assert_eq!(stdout(&a), stdout(&b), "same seed, same answer");
 
-    // --visual draws the canvas.
-    let o = run(&[
-        "generate",
-        "-m",
-        m,
-        "-p",
-        "Hi",
-        "-n",
-        "8",
-        "--slot-size",
-        "4",
-        "--serial-blocks",
-        "1",
-        "--visual",
-    ]);
+    // --visual draws the canvas on a terminal (a pseudo-terminal from util-linux's `script`).
+    let line = format!(
+        "'{}' generate -m '{m}' -p Hi -n 8 --slot-size 4 --serial-blocks 1 --visual",
+        bin().display()
+    );
+    let o = std::process::Command::new("script")
+        .args(["-qec", &line, "/dev/null"])
+        .output()
+        .expect("util-linux's script");
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stdout(&o).contains("\x1b[2J"));
+    assert!(stdout(&o).contains("\x1b[2J"), "{}", stdout(&o));
     assert!(stdout(&o).contains("committed"));
 }
 
