@@ -110,11 +110,11 @@ t=$(date +%s)
 log=$out/goldens.log
 if REFUSION_TEST_DEVICE=$device REFUSION_BIN=$bin REFUSION_REPO=$repo \
     timeout "$step_timeout" "$goldens" offloaded --test-threads 1 >"$log" 2>&1 \
-    && grep -q 'test result: ok. 2 passed' "$log"; then
-    add "goldens f32, $device" "111 cases x 2 offload layouts" "exact ($(( $(date +%s) - t )) s)"
+    && grep -q 'test result: ok. 3 passed' "$log"; then
+    add "goldens f32, $device" "111 public cases x 2 offload layouts, the trained tiny model's" "exact ($(( $(date +%s) - t )) s)"
 else
     failed=1
-    add "goldens f32, $device" "111 cases x 2 offload layouts" "FAILED: $(grep -m1 -E 'cases differ|panicked|test result' "$log")"
+    add "goldens f32, $device" "111 public cases x 2 offload layouts, the trained tiny model's" "FAILED: $(grep -m1 -E 'cases differ|panicked|test result' "$log")"
 fi
 
 # 2. Forward throughput, Q4_K_M, every layer on the GPU.

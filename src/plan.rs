@@ -9,6 +9,7 @@ use refusion_convert::gguf::{GgmlType, GgufHeader, TensorInfo};
 use refusion_convert::info::human_bytes;
 
 use crate::kv::CacheType;
+use crate::model::device_attention::ATTN_TILE;
 use crate::model::{kquants, Qwen3Config};
 
 /// `-ngl`: how many layers go to the GPU.
@@ -123,14 +124,19 @@ impl ModelSizes {
 
     /// Working memory of one forward chunk of `n` tokens over a context of `context` entries:
     /// activations, attention scores (the largest part for long contexts) and, where the output
-    /// layer runs, the logits. The GPU path holds the scores of every head at once; the CPU
-    /// kernel one head per thread (counted as two).
+    /// layer runs, the logits. The GPU path holds the scores of every head for one tile of the
+    /// context ([`ATTN_TILE`] entries) and a running output per head; the CPU kernel one head
+    /// per thread over the whole context (counted as two).
     pub fn scratch(&self, n: u64, context: u64, logits: bool, gpu: bool) -> u64 {
         let qkv = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim;
         let activations = n * (6 * self.hidden + 2 * qkv + 3 * self.ffn) * 4;
-        // Scores and their exponentials over the whole context.
-        let heads = if gpu { self.n_heads } else { 2 };
-        let scores = 2 * heads * n * context * 4;
+        // Scores and their exponentials over a tile (GPU) or the whole context (CPU).
+        let scores = if gpu {
+            let tile = context.min(ATTN_TILE as u64);
+            2 * self.n_heads * n * tile * 4 + 2 * self.n_heads * n * (self.head_dim + 2) * 4
+        } else {
+            2 * 2 * n * context * 4
+        };
         let logits = if logits { 2 * n * self.vocab * 4 } else { 0 };
         activations + scores + logits
     }
@@ -412,6 +418,25 @@ mod tests {
             context: 4096,
             ubatch: 512,
         }
+    }
+
+    #[test]
+    fn gpu_attention_scratch_stops_growing_at_one_tile() {
+        let s = sizes_8b();
+        let tile = ATTN_TILE as u64;
+        // The GPU's scores cover one tile of the context at most; the CPU's the whole context.
+        assert_eq!(
+            s.scratch(512, tile, true, true),
+            s.scratch(512, 32 * tile, true, true)
+        );
+        assert!(s.scratch(512, tile / 2, true, true) < s.scratch(512, tile, true, true));
+        assert!(s.scratch(512, tile, true, false) < s.scratch(512, 32 * tile, true, false));
+        // So a long context keeps the full chunk on a 16 GiB card (whole-context scores would
+        // have taken 4.3 GB, more than the quarter of free VRAM a chunk may use).
+        let mut r = req(Some(16 << 30), GpuLayers::All);
+        r.context = 32768;
+        let p = MemoryPlan::new(&s, &r).unwrap();
+        assert_eq!(p.ubatch, 512, "{p}");
     }
 
     #[test]

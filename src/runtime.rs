@@ -102,12 +102,16 @@ fn open_cuda(_n: usize) -> Result<Device> {
     ))
 }
 
+/// The context when `-c` is not given (llama.cpp's default is 4096 too).
+pub const DEFAULT_CONTEXT: usize = 4096;
+
 /// How to load a model.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     pub path: PathBuf,
-    /// Context size in entries; 0 means the model's trained context.
-    pub context: usize,
+    /// Context size in entries; 0 means the model's trained context, `None`
+    /// [`DEFAULT_CONTEXT`] or the trained context if smaller.
+    pub context: Option<usize>,
     pub cache_type: CacheType,
     pub kv_file: Option<PathBuf>,
     pub device: DeviceChoice,
@@ -213,10 +217,10 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
         let rest = (|| -> Result<(Qwen3, MemoryPlan, usize, Device)> {
             let device = opts.device.open()?;
             let cfg = Qwen3Config::from_gguf(&file.header).map_err(in_file)?;
-            let context = if opts.context == 0 {
-                cfg.context_length
-            } else {
-                opts.context
+            let context = match opts.context {
+                Some(0) => cfg.context_length,
+                Some(n) => n,
+                None => DEFAULT_CONTEXT.min(cfg.context_length),
             };
             if context > cfg.context_length {
                 eprintln!(

@@ -1,28 +1,111 @@
-//! The README's quickstart: `refusion demo` writes, converts and generates end to end.
+//! The README's quickstart: `refusion demo` writes the embedded trained tiny ReFusion, converts
+//! it to Q8_0 and Q4_K_M and answers a question with real text in more than one token per
+//! forward.
 
 mod common;
 
 use common::*;
+use serde_json::Value;
+
+fn demo(dir: &std::path::Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["demo", "--dir", dir.to_str().unwrap(), "-t", "2"];
+    args.extend_from_slice(extra);
+    run(&args)
+}
 
 #[test]
-fn demo_runs_end_to_end() {
+fn demo_runs_end_to_end_and_answers() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("demo");
-    // `-t` sizes the thread pools once; every step of the demo honours it (issue 18).
-    let o = run(&[
-        "demo",
-        "--dir",
-        dir.to_str().unwrap(),
-        "-p",
-        "Hello",
-        "-t",
-        "2",
-    ]);
+    let o = demo(&dir, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     let err = stderr(&o);
-    for step in ["1/3", "2/3", "3/3", "refusion: generated", "64 tokens"] {
+    for step in ["1/3", "2/3", "3/3", "refusion: generated", "TPF"] {
         assert!(err.contains(step), "demo output lacks {step:?}:\n{err}");
     }
-    assert!(dir.join("refusion-demo-Q4_K_M.gguf").is_file());
-    assert!(!stdout(&o).trim().is_empty(), "no answer text");
+    for f in ["refusion-tiny-Q8_0.gguf", "refusion-tiny-Q4_K_M.gguf"] {
+        assert!(dir.join(f).is_file(), "{f}");
+    }
+    // The default question, "What is 47 + 38?", answered with the worked sum.
+    let out = stdout(&o);
+    assert!(out.contains("The answer is 85."), "{out}");
+}
+
+/// `--json` is `generate`'s object; the trained model commits more than one token per forward
+/// (TPF at the model card's settings; random weights give 0.5).
+#[test]
+fn demo_json_is_generates_object_with_real_parallelism() {
+    let tmp = tempfile::tempdir().unwrap();
+    for quant in ["q4_k_m", "q8_0"] {
+        let o = demo(
+            &tmp.path().join(quant),
+            &[
+                "--json",
+                "--quant",
+                quant,
+                "-p",
+                "Write a Python function `sum_of_marks` that returns the sum of a list.",
+            ],
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+        let text = v["text"].as_str().unwrap();
+        assert!(
+            text.contains("def sum_of_marks(") && text.contains("return total"),
+            "{quant}: {text}"
+        );
+        let tpf = v["tpf"].as_f64().unwrap();
+        assert!(tpf > 1.0, "{quant}: TPF {tpf}");
+        let calls = v["forward_calls"].as_u64().unwrap();
+        assert!(calls < v["answer_tokens"].as_u64().unwrap(), "{quant}: {v}");
+        let sizes = v["forward_sizes"].as_array().unwrap();
+        assert_eq!(sizes.len() as u64, calls);
+        let total: u64 = sizes.iter().map(|n| n.as_u64().unwrap()).sum();
+        assert_eq!(total, v["forward_tokens"].as_u64().unwrap());
+    }
+}
+
+/// Every kernel path this CPU runs gives the same tokens from the trained model's quantized
+/// files (real weights, where near-ties are rarer than with random ones but do exist).
+#[test]
+fn the_tiny_models_quantized_files_answer_alike_on_every_kernel_path() {
+    use refusion::model::kquants::CpuPath;
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("../../models/refusion-tiny");
+    for outtype in ["q8_0", "q4_k_m"] {
+        let file = tmp.path().join(format!("{outtype}.gguf"));
+        convert_quiet(&model, &file, outtype);
+        let mut answers = Vec::new();
+        for path in CpuPath::runnable()
+            .into_iter()
+            .filter(|&p| p != CpuPath::Generic)
+        {
+            let o = std::process::Command::new(bin())
+                .env("REFUSION_CPU", path.name())
+                .env_remove("REFUSION_NO_NATIVE_KQUANTS")
+                .args([
+                    "generate",
+                    "-m",
+                    file.to_str().unwrap(),
+                    "--json",
+                    "-t",
+                    "2",
+                ])
+                .args(["-p", "Reverse the list [12, 7, 93, 40]."])
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", stderr(&o));
+            let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+            answers.push((path.name(), v["tokens"].clone(), v["text"].clone()));
+        }
+        for (path, tokens, _) in &answers {
+            assert_eq!(
+                tokens, &answers[0].1,
+                "{outtype}: {path} vs {}",
+                answers[0].0
+            );
+        }
+        let text = answers[0].2.as_str().unwrap();
+        assert!(text.contains("[40, 93, 7, 12]"), "{outtype}: {text}");
+    }
 }

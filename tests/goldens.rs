@@ -45,14 +45,60 @@ fn offload_device() -> Device {
     }
 }
 
+/// The public goldens: three tiny random checkpoints, 111 cases.
+const PUBLIC: Goldens = Goldens {
+    file: "goldens_public.json",
+    cases: 111,
+};
+
+/// The trained tiny ReFusion shipped as the demo's model (train/goldens.py): real answers, the
+/// model card's and the paper's per-benchmark settings.
+const TINY: Goldens = Goldens {
+    file: "goldens_tiny.json",
+    cases: 0,
+};
+
+struct Goldens {
+    file: &'static str,
+    /// The expected number of cases (0: at least one).
+    cases: usize,
+}
+
+fn model_dir(name: &str) -> std::path::PathBuf {
+    if name == "refusion-tiny" {
+        fixtures().join("../../models/refusion-tiny")
+    } else {
+        fixture_model(name)
+    }
+}
+
 #[test]
 fn every_public_golden_case_matches_exactly() {
-    check_every_case(None, None);
+    check_every_case(&PUBLIC, None, None);
+}
+
+#[test]
+fn every_tiny_golden_case_matches_exactly() {
+    check_every_case(&TINY, None, None);
+}
+
+#[test]
+fn every_tiny_golden_case_matches_with_all_layers_offloaded() {
+    check_every_case(
+        &TINY,
+        Some(Offload {
+            device: offload_device(),
+            layers: usize::MAX,
+            output: true,
+        }),
+        None,
+    );
 }
 
 #[test]
 fn every_public_golden_case_matches_with_all_layers_offloaded() {
     check_every_case(
+        &PUBLIC,
         Some(Offload {
             device: offload_device(),
             layers: usize::MAX,
@@ -65,6 +111,7 @@ fn every_public_golden_case_matches_with_all_layers_offloaded() {
 #[test]
 fn every_public_golden_case_matches_with_one_layer_offloaded_and_small_chunks() {
     check_every_case(
+        &PUBLIC,
         Some(Offload {
             device: offload_device(),
             layers: 1,
@@ -74,24 +121,33 @@ fn every_public_golden_case_matches_with_one_layer_offloaded_and_small_chunks() 
     );
 }
 
-fn check_every_case(offload: Option<Offload>, ubatch: Option<usize>) {
-    let text = std::fs::read_to_string(fixtures().join("goldens_public.json")).unwrap();
+/// Small chunks and attention tiles of 5 shared entries: many tile edges on every case.
+fn check_every_case(set: &Goldens, offload: Option<Offload>, ubatch: Option<usize>) {
+    let text = std::fs::read_to_string(fixtures().join(set.file)).unwrap();
     let goldens: Value = serde_json::from_str(&text).unwrap();
+    let cases = goldens["cases"].as_array().unwrap();
+    if set.cases > 0 {
+        assert_eq!(cases.len(), set.cases, "{}", set.file);
+    } else {
+        assert!(!cases.is_empty(), "{}", set.file);
+    }
+    let mut names: Vec<&str> = cases.iter().map(|c| c["model"].as_str().unwrap()).collect();
+    names.sort();
+    names.dedup();
     let tmp = tempfile::tempdir().unwrap();
     let mut models = HashMap::new();
-    for name in ["pub-a", "pub-b", "pub-c"] {
+    for name in names {
         let out = tmp.path().join(format!("{name}.gguf"));
-        convert_quiet(&fixture_model(name), &out, "f32");
+        convert_quiet(&model_dir(name), &out, "f32");
         let file = Arc::new(GgufFile::open(&out).unwrap());
         let mut model = Qwen3::load_offloaded(file, offload.clone()).unwrap();
         if let Some(n) = ubatch {
             model.set_ubatch(n);
+            model.set_attn_tile(5);
         }
         models.insert(name.to_string(), model);
     }
     let mut failures = Vec::new();
-    let cases = goldens["cases"].as_array().unwrap();
-    assert_eq!(cases.len(), 111, "the public golden set");
     for case in cases {
         let id = case["id"].as_str().unwrap();
         let model = &models[case["model"].as_str().unwrap()];

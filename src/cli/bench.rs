@@ -75,12 +75,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
         .max_by_key(|&(_, n)| n)
         .unwrap_or(("-p", 1));
     // Never more than the user set: a test that does not fit is refused, before loading.
-    if opts.context != 0 && a.prefix + largest > opts.context {
+    let context = opts.context.unwrap_or(crate::runtime::DEFAULT_CONTEXT);
+    if context != 0 && a.prefix + largest > context {
         bail!(
-            "-d {} plus {flag} {largest} is {} tokens, more than the context (-c {}); raise -c",
+            "-d {} plus {flag} {largest} is {} tokens, more than the context (-c {context}); raise -c",
             a.prefix,
             a.prefix + largest,
-            opts.context
         );
     }
     let loaded = load(&opts)?;

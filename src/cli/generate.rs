@@ -403,6 +403,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             "tpf": result.tpf,
             "forward_calls": result.forward_calls,
             "forward_tokens": result.forward_tokens,
+            "forward_sizes": result.forward_sizes,
             "prompt_tokens": prompt.len(),
             "cached_prompt_tokens": session.last_reused,
             "params": {

@@ -13,9 +13,10 @@ pub struct ModelArgs {
     /// GGUF model file.
     #[arg(short = 'm', long = "model")]
     pub model: PathBuf,
-    /// Context size in tokens (0: the model's trained context).
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
-    pub ctx_size: usize,
+    /// Context size in tokens (0: the model's trained context) [default: 4096, or the
+    /// trained context if it is smaller].
+    #[arg(short = 'c', long = "ctx-size")]
+    pub ctx_size: Option<usize>,
     /// Threads for the forward (default: all cores).
     #[arg(short = 't', long)]
     pub threads: Option<usize>,

@@ -55,6 +55,9 @@ pub struct DecodeResult {
     pub forward_calls: usize,
     /// Tokens fed through the model over all calls.
     pub forward_tokens: usize,
+    /// Tokens fed by each call, in order (all rows together): what a cost curve t(n) turns
+    /// into a time for another model size.
+    pub forward_sizes: Vec<u32>,
     /// Index into `tokens` of the first EOS, if any.
     pub eos_index: Option<usize>,
 }
@@ -94,12 +97,14 @@ struct State<'m, M: Forward + ?Sized> {
     tpf_steps: usize,
     forward_calls: usize,
     forward_tokens: usize,
+    forward_sizes: Vec<u32>,
 }
 
 impl<M: Forward + ?Sized> State<'_, M> {
     fn forward(&mut self, batch: &Batch, cache: &mut KvCache) -> Result<Logits> {
         self.forward_calls += 1;
         self.forward_tokens += batch.len();
+        self.forward_sizes.push(batch.len() as u32);
         self.model.forward(batch, cache)
     }
 }
@@ -180,6 +185,7 @@ pub fn generate_cancellable<M: Forward + ?Sized>(
         tpf_steps: 0,
         forward_calls: 0,
         forward_tokens: 0,
+        forward_sizes: Vec::new(),
     };
     let mut pending_prompt: Vec<u32> = prompt[cached..].to_vec();
     let mut eos_flag = false;
@@ -241,6 +247,7 @@ pub fn generate_cancellable<M: Forward + ?Sized>(
         tpf,
         forward_calls: st.forward_calls,
         forward_tokens: st.forward_tokens,
+        forward_sizes: std::mem::take(&mut st.forward_sizes),
         eos_index,
     })
 }

@@ -83,13 +83,56 @@ pub fn rope(x: &Tensor, vis: &DeviceVisibility) -> Result<Tensor> {
     Ok(candle_nn::rotary_emb::rope_thd(&x, &vis.cos, &vis.sin)?.squeeze(0)?)
 }
 
+/// Shared-prefix entries per tile: a chunk's scores take `n_heads x n x TILE` floats at most,
+/// whatever the context (llama.cpp's flash attention and FlashAttention-2 tile the same way).
+pub const ATTN_TILE: usize = 1024;
+
+/// Softmax-weighted sums over the keys seen so far (online softmax): the largest score, the
+/// sum of exponentials relative to it, and the unnormalised output.
+struct Running {
+    max: Tensor,
+    sum: Tensor,
+    out: Tensor,
+}
+
+impl Running {
+    /// Takes in one tile's scores `s` (`[nkv, group * n, t]`, f32) and values `v` (`[nkv, t, hd]`),
+    /// rescaling what came before to the new maximum.
+    fn absorb(self_: Option<Running>, s: &Tensor, v: &Tensor) -> Result<Running> {
+        let dtype = v.dtype();
+        let tile_max = s.max_keepdim(D::Minus1)?;
+        let max = match &self_ {
+            Some(r) => r.max.maximum(&tile_max)?,
+            None => tile_max,
+        };
+        let e = s.broadcast_sub(&max)?.exp()?;
+        let sum = e.sum_keepdim(D::Minus1)?;
+        let out = e.to_dtype(dtype)?.matmul(v)?.to_dtype(DType::F32)?;
+        Ok(match self_ {
+            None => Running { max, sum, out },
+            Some(r) => {
+                let scale = (r.max - &max)?.exp()?;
+                Running {
+                    sum: (r.sum.mul(&scale)? + sum)?,
+                    out: (r.out.broadcast_mul(&scale)? + out)?,
+                    max,
+                }
+            }
+        })
+    }
+}
+
 /// Attention of `q` (`[n, n_heads, head_dim]`, after RoPE) over one device layer whose first
 /// `shared` slots are the shared prefix. Returns `[n, n_heads * head_dim]` f32.
+///
+/// The shared prefix is read in tiles of `tile` entries with a running maximum and sum, so the
+/// scratch does not grow with the context; the rows' private slots (masked per token) come last.
 pub fn attend(
     q: &Tensor,
     layer: &DeviceLayer,
     shared: usize,
     vis: &DeviceVisibility,
+    tile: usize,
 ) -> Result<Tensor> {
     let (n, nh, hd) = q.dims3()?;
     let (nkv, _, _) = layer.k.dims3()?;
@@ -101,36 +144,26 @@ pub fn attend(
         .reshape((nkv, group * n, hd))?
         .to_dtype(dtype)?;
 
+    let mut run = None;
+    let tile = tile.max(1);
+    for start in (0..shared).step_by(tile) {
+        let len = tile.min(shared - start);
+        let k = layer.k.narrow(1, start, len)?;
+        let s = q.matmul(&k.t()?)?.to_dtype(DType::F32)?;
+        run = Some(Running::absorb(run, &s, &layer.v.narrow(1, start, len)?)?);
+    }
     let kp = layer.k.index_select(&vis.private, 1)?;
     let vp = layer.v.index_select(&vis.private, 1)?;
     let u = kp.dim(1)?;
+    // Every token sees at least itself, a private slot, so the maximum is finite.
     let sp = q
         .matmul(&kp.t()?)?
         .to_dtype(DType::F32)?
         .reshape((nkv, group, n, u))?
         .broadcast_add(&vis.mask)?
         .reshape((nkv, group * n, u))?;
-    let ss = if shared > 0 {
-        let ks = layer.k.narrow(1, 0, shared)?;
-        Some(q.matmul(&ks.t()?)?.to_dtype(DType::F32)?)
-    } else {
-        None
-    };
-
-    let mut max = sp.max_keepdim(D::Minus1)?;
-    if let Some(ss) = &ss {
-        max = max.maximum(&ss.max_keepdim(D::Minus1)?)?;
-    }
-    let ep = sp.broadcast_sub(&max)?.exp()?;
-    let mut sum = ep.sum_keepdim(D::Minus1)?;
-    let mut out = ep.to_dtype(dtype)?.matmul(&vp)?.to_dtype(DType::F32)?;
-    if let Some(ss) = ss {
-        let es = ss.broadcast_sub(&max)?.exp()?;
-        sum = (sum + es.sum_keepdim(D::Minus1)?)?;
-        let vs = layer.v.narrow(1, 0, shared)?;
-        out = (out + es.to_dtype(dtype)?.matmul(&vs)?.to_dtype(DType::F32)?)?;
-    }
-    let out = out.broadcast_div(&sum)?;
+    let run = Running::absorb(run, &sp, &vp)?;
+    let out = run.out.broadcast_div(&run.sum)?;
     Ok(out
         .reshape((nh, n, hd))?
         .transpose(0, 1)?

@@ -67,6 +67,8 @@ pub struct Qwen3 {
     offload: Option<Offload>,
     /// Tokens per chunk of a forward.
     ubatch: usize,
+    /// Shared-prefix entries per tile of the device attention.
+    attn_tile: usize,
     file: Arc<GgufFile>,
     token_embd: TensorInfo,
     layers: Vec<Layer>,
@@ -285,6 +287,7 @@ impl Qwen3 {
             cfg,
             offload,
             ubatch: DEFAULT_UBATCH,
+            attn_tile: device_attention::ATTN_TILE,
             file,
             token_embd,
             layers,
@@ -308,6 +311,12 @@ impl Qwen3 {
     /// Sets the most tokens one chunk of a forward holds (at least 1).
     pub fn set_ubatch(&mut self, n: usize) {
         self.ubatch = n.max(1);
+    }
+
+    /// Sets the shared-prefix entries per tile of the device attention (at least 1; tests use
+    /// small tiles to cross many tile edges).
+    pub fn set_attn_tile(&mut self, n: usize) {
+        self.attn_tile = n.max(1);
     }
 
     /// A KV cache of `capacity` entries placed like the layers: device tensors for the
@@ -475,7 +484,13 @@ impl Qwen3 {
                     let k = device_attention::rope(&k, vis)?;
                     let v = v.reshape((n, nkv, hd))?;
                     cache.write_device(l, &vis.write_index, &k, &v)?;
-                    device_attention::attend(&q, cache.device_layer(l), cache.shared_len(), vis)?
+                    device_attention::attend(
+                        &q,
+                        cache.device_layer(l),
+                        cache.shared_len(),
+                        vis,
+                        self.attn_tile,
+                    )?
                 }
                 _ => {
                     let mut q = q.flatten_all()?.to_vec1::<f32>()?;
