@@ -92,7 +92,7 @@ def _code(r):
     q = f"Write a Python function `{fname}` that returns {desc} a list."
     code = [f"def {fname}({arg}):"] + ["    " + line.format(a=arg) for line in body]
     text = "```python\n" + "\n".join(code) + "\n```"
-    return q, f"Here is the function.\n{text}", text
+    return q, f"Here is the function.\n{text}", canonical_code(text)
 
 
 def _list(r):
@@ -146,10 +146,16 @@ def stream(seed, held_out):
             yield kind, q, resp, ans
 
 
+def canonical_code(code):
+    """The question does not name the parameter, so any name is right: it becomes `arg`."""
+    m = re.search(r"def \w+\((\w+)\):", code)
+    return re.sub(rf"\b{m.group(1)}\b", "arg", code) if m else code
+
+
 def extract(kind, text):
     """The exact answer a response gives, or None."""
     if kind == "code":
         m = re.search(r"```python\n.*?\n```", text, re.S)
-        return m.group(0) if m else None
+        return canonical_code(m.group(0)) if m else None
     m = re.search(r"The answer is (.+?)\.?\s*$", text.strip(), re.S)
     return m.group(1).strip() if m else None

@@ -69,7 +69,7 @@ def quality(a, files, held):
         for mode in ("slot", "l2r", "ar"):
             if mode == "ar" and ar is None:
                 continue
-            right, kinds, tpf = 0, {}, []
+            right, kinds, tpf, wrong = 0, {}, [], []
             for h in held:
                 if mode == "ar":
                     text = ar.answer(h["question"])
@@ -77,14 +77,16 @@ def quality(a, files, held):
                     r = generate(a.bin, gguf, h["question"], L2R if mode == "l2r" else [], a.threads)
                     text = r["text"]
                     tpf.append(r["tpf"])
-                ok = corpus.extract(h["kind"], text) == h["answer"]
+                ok = corpus.extract(h["kind"], text) == corpus.extract(h["kind"], h["response"])
                 right += ok
+                if not ok and len(wrong) < 4:
+                    wrong.append({"question": h["question"], "answer": text})
                 k = kinds.setdefault(h["kind"], [0, 0])
                 k[0] += ok
                 k[1] += 1
             rows[f"{quant}/{mode}"] = {
                 "accuracy": right / len(held), "by_kind": {k: v[0] / v[1] for k, v in kinds.items()},
-                "mean_tpf": sum(tpf) / len(tpf) if tpf else None}
+                "mean_tpf": sum(tpf) / len(tpf) if tpf else None, "wrong": wrong}
             print(quant, mode, json.dumps(rows[f"{quant}/{mode}"]), flush=True)
     return rows
 
