@@ -62,7 +62,7 @@ impl DeviceChoice {
 #[cfg(feature = "cuda")]
 fn open_cuda(n: usize) -> Result<Device> {
     // candle reports a missing device or driver as a multi-line debug dump: keep one line.
-    Device::new_cuda(n).map_err(|e| {
+    let device = Device::new_cuda(n).map_err(|e| {
         let e = e.to_string();
         let first = e
             .lines()
@@ -71,7 +71,47 @@ fn open_cuda(n: usize) -> Result<Device> {
             .trim()
             .to_string();
         Error::msg(format!("cannot open CUDA device {n}: {first}"))
-    })
+    })?;
+    if let (Device::Cuda(cd), Some(built)) = (&device, BUILT_FOR_CAP) {
+        let ctx = cd.cuda_stream().context().clone();
+        if let Ok((major, minor)) = ctx.compute_capability() {
+            let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+            check_compute_cap(built, major, minor)
+                .map_err(|e| Error::msg(format!("CUDA device {n} ({name}): {e}")))?;
+        }
+    }
+    Ok(device)
+}
+
+/// The GPU family this build's CUDA kernels were compiled for (`CUDA_COMPUTE_CAP` at build time).
+#[cfg(feature = "cuda")]
+const BUILT_FOR_CAP: Option<&str> = option_env!("CUDA_COMPUTE_CAP");
+
+/// Whether kernels built for `built` (e.g. "86", "90") run on a GPU of compute capability
+/// `major.minor`. candle compiles its quantized matmuls (mmq/mmvq) to machine code for exactly
+/// one architecture, with no PTX to fall back on: code for sm_XY runs on sm_XZ with Z >= Y,
+/// and from sm_90 on candle builds the arch-specific variants (sm_90a, sm_120a) that run on
+/// that one architecture only. Refusing up front beats "no kernel image is available" at the
+/// first matmul.
+pub fn check_compute_cap(built: &str, major: i32, minor: i32) -> Result<(), String> {
+    let base: i32 = built
+        .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+        .parse()
+        .map_err(|_| format!("unreadable CUDA_COMPUTE_CAP {built:?} in this build"))?;
+    let (b_major, b_minor) = (base / 10, base % 10);
+    let runs = if base >= 90 {
+        (major, minor) == (b_major, b_minor)
+    } else {
+        major == b_major && minor >= b_minor
+    };
+    if runs {
+        Ok(())
+    } else {
+        Err(format!(
+            "this refusion's CUDA kernels are built for sm_{base} and the GPU is sm_{major}{minor}; \
+             rebuild with CUDA_COMPUTE_CAP={major}{minor} (one build per GPU family, see the README)"
+        ))
+    }
 }
 
 /// The GPU's name and free memory, for the plan.
@@ -301,4 +341,30 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
         kv_file: opts.kv_file.clone(),
         verbose: opts.verbose,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_compute_cap;
+
+    #[test]
+    fn a_build_runs_on_its_own_gpu_family_only() {
+        // sm_86 code runs on 8.6 and 8.9 (same major, newer minor), not on 8.0 or 9.0.
+        assert!(check_compute_cap("86", 8, 6).is_ok());
+        assert!(check_compute_cap("86", 8, 9).is_ok());
+        assert!(check_compute_cap("86", 8, 0).is_err());
+        let e = check_compute_cap("86", 9, 0).unwrap_err();
+        assert!(
+            e.contains("sm_86") && e.contains("sm_90") && e.contains("CUDA_COMPUTE_CAP=90"),
+            "{e}"
+        );
+        // From sm_90 on the arch-specific variant runs on that architecture only.
+        assert!(check_compute_cap("90", 9, 0).is_ok());
+        assert!(check_compute_cap("90a", 9, 0).is_ok());
+        assert!(check_compute_cap("90", 10, 0).is_err());
+        assert!(check_compute_cap("120", 12, 0).is_ok());
+        assert!(check_compute_cap("120", 12, 1).is_err());
+        assert!(check_compute_cap("75", 8, 6).is_err());
+        assert!(check_compute_cap("x", 8, 6).is_err());
+    }
 }
