@@ -69,10 +69,14 @@ build_llama_bench() {
     local sdist=${LLAMA_SDIST:-$HOME/.cache/llama-bench/llama_cpp_python-0.3.36.tar.gz}
     local src=$repo/target/llama-cuda/src build=$repo/target/llama-cuda/build-sm$CUDA_COMPUTE_CAP
     if [ ! -s "$sdist" ]; then
+        # The sdist itself from PyPI's simple index (`pip download --no-binary :all:` would
+        # build its build tools, cmake included, from source just to read its metadata).
         mkdir -p "$repo/target/llama-cuda"
-        python3 -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==0.3.36 \
-            -d "$repo/target/llama-cuda" >&2 || return 1
         sdist=$repo/target/llama-cuda/llama_cpp_python-0.3.36.tar.gz
+        local url
+        url=$(curl -fsS https://pypi.org/simple/llama-cpp-python/ \
+            | grep -o 'href="[^"]*llama_cpp_python-0.3.36.tar.gz[^"]*"' | head -1 | cut -d'"' -f2)
+        [ -n "$url" ] && curl -fsSL -o "$sdist" "$url" || { echo "cannot download llama-cpp-python 0.3.36's sdist" >&2; return 1; }
     fi
     if [ ! -d "$src" ]; then
         mkdir -p "$src" && tar xzf "$sdist" -C "$src" --strip-components=3 \

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod decode;
 pub mod error;
 pub mod fuzzing;
+pub mod hub;
 pub mod kv;
 pub mod model;
 pub mod plan;

@@ -295,3 +295,114 @@ fn commands_and_a_failed_load_keep_the_conversation() {
     let (_, err) = chat(&model, &format!("/load {}\n/bye\n", saved.display()));
     assert!(err.contains("(loaded 4 messages"), "{err}");
 }
+
+/// A chat on a pseudo-terminal (util-linux's `script`), typed key by key.
+struct Pty {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    out: std::sync::Arc<std::sync::Mutex<String>>,
+    seen: usize,
+}
+
+impl Pty {
+    fn chat(model: &Path, home: &Path) -> Pty {
+        use std::io::Read;
+        let line = format!(
+            "'{}' chat -m '{}' -n 16 --slot-size 4 --serial-blocks 2",
+            bin().display(),
+            model.display()
+        );
+        let mut child = Command::new("script")
+            .args(["-qefc", &line, "/dev/null"])
+            .env("HOME", home)
+            .env_remove("XDG_STATE_HOME")
+            .env("TERM", "xterm")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("util-linux's script");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        let out = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let sink = out.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stdout.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        Pty {
+            child,
+            stdin,
+            out,
+            seen: 0,
+        }
+    }
+
+    /// Waits until `needle` appears after what was already waited for.
+    fn wait_for(&mut self, needle: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let out = self.out.lock().unwrap().clone();
+            if let Some(i) = out[self.seen.min(out.len())..].find(needle) {
+                self.seen += i + needle.len();
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no {needle:?} in the terminal: {out}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    fn keys(&mut self, keys: &str) {
+        self.stdin.write_all(keys.as_bytes()).unwrap();
+        self.stdin.flush().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// On a terminal, lines are edited (Ctrl-A moves to the start), the up arrow recalls the last
+/// line, Ctrl-C at the prompt keeps the chat, Ctrl-D leaves, and the history survives the
+/// process (the next chat recalls the last line of the previous one).
+#[test]
+fn line_editing_and_history_on_a_terminal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let mut t = Pty::chat(&model, tmp.path());
+    t.wait_for("> ");
+    t.keys("Hello there\r");
+    t.wait_for("prompt tokens from the cache]");
+    t.wait_for("> ");
+    t.keys("\x1b[A"); // up: "Hello there" again
+    t.keys("\r");
+    t.wait_for("prompt tokens from the cache]");
+    t.wait_for("> ");
+    t.keys("bar\x01/foo \r"); // typed "bar", then Ctrl-A and "/foo " before it
+    t.wait_for("unknown command /foo (/? for help)");
+    t.wait_for("> ");
+    t.keys("\x03"); // Ctrl-C at the prompt
+    t.wait_for("(Ctrl-D or /bye to exit)");
+    t.keys("\x04"); // Ctrl-D
+    let status = t.child.wait().unwrap();
+    assert!(status.success(), "{}", t.out.lock().unwrap());
+    let history =
+        std::fs::read_to_string(tmp.path().join(".local/state/refusion/chat_history")).unwrap();
+    assert!(history.contains("Hello there"), "{history}");
+    assert!(history.contains("/foo bar"), "{history}");
+
+    // A new chat recalls the previous one's last line.
+    let mut t = Pty::chat(&model, tmp.path());
+    t.wait_for("> ");
+    t.keys("\x1b[A\r");
+    t.wait_for("unknown command /foo (/? for help)");
+    t.keys("/bye\r");
+    assert!(t.child.wait().unwrap().success());
+}

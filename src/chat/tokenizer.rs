@@ -19,6 +19,9 @@ const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{
 /// Our converter records the original tokenizer's normalizer here ("nfc" or "none").
 pub const NORMALIZER_KEY: &str = "refusion.tokenizer.normalizer";
 
+/// ReFusion's mask token, taken from the vocabulary when the file has no mask id.
+pub const MASK_TOKEN: &str = "<|mask|>";
+
 const TOKEN_CONTROL: i32 = 3;
 const TOKEN_USER_DEFINED: i32 = 4;
 const TOKEN_UNUSED: i32 = 5;
@@ -29,6 +32,10 @@ pub struct Tokenizer {
     pub eos_id: Option<u32>,
     pub bos_id: Option<u32>,
     pub mask_id: Option<u32>,
+    /// The mask id came from the vocabulary's `<|mask|>`, not from `tokenizer.ggml.mask_token_id`
+    /// (llama.cpp's converter writes the key only when the tokenizer declares a `mask_token`,
+    /// and ReFusion's declares `<|mask|>` only as an additional special token).
+    pub mask_from_vocab: bool,
     /// Control tokens (chat markers, mask, ...), which decoding can skip.
     special: Vec<bool>,
 }
@@ -166,12 +173,18 @@ impl Tokenizer {
             }
         }
         let n = tokens.len();
+        let mut mask_id = token_id(h, "tokenizer.ggml.mask_token_id", n)?;
+        let mask_from_vocab = mask_id.is_none();
+        if mask_from_vocab {
+            mask_id = inner.token_to_id(MASK_TOKEN);
+        }
         Ok(Tokenizer {
             inner,
             vocab_size: n,
             eos_id: token_id(h, "tokenizer.ggml.eos_token_id", n)?,
             bos_id: token_id(h, "tokenizer.ggml.bos_token_id", n)?,
-            mask_id: token_id(h, "tokenizer.ggml.mask_token_id", n)?,
+            mask_from_vocab: mask_from_vocab && mask_id.is_some(),
+            mask_id,
             special,
         })
     }

@@ -1,7 +1,7 @@
 //! `refusion chat`: a multi-turn conversation in the terminal. The KV cache of earlier turns is
 //! kept: a new turn costs only its new tokens.
 
-use std::io::{BufRead, IsTerminal, Write};
+use std::io::{IsTerminal, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -11,6 +11,7 @@ use clap::Args;
 use refusion_convert::gguf::Value;
 
 use super::generate::DecodeArgs;
+use super::line_input::{Input, Line};
 use super::model_args::ModelArgs;
 use crate::chat::{ChatTemplate, Message, TextStream};
 use crate::decode::Event;
@@ -32,7 +33,7 @@ pub struct ChatArgs {
 }
 
 const HELP: &str = "commands: /reset  /save FILE  /load FILE  /bye (or /exit)  /? (or /help)  \
-(Ctrl-C stops an answer, Ctrl-D quits)";
+(Ctrl-C stops an answer, Ctrl-D quits; arrows and Ctrl-R recall earlier lines)";
 
 /// Saves the conversation: the KV cache, its tokens and the messages.
 fn save<M: crate::model::Forward + ?Sized>(
@@ -103,19 +104,19 @@ pub fn run(a: ChatArgs) -> Result<()> {
     if interactive {
         eprintln!("{HELP}");
     }
-    let stdin = std::io::stdin();
+    let mut input_lines = Input::new(interactive);
     let mut stdout = std::io::stdout();
-    let mut line = String::new();
     loop {
-        if interactive {
-            print!("> ");
-            stdout.flush()?;
-        }
-        line.clear();
-        if stdin.lock().read_line(&mut line)? == 0 {
-            break; // Ctrl-D
-        }
-        let input = line.trim_end_matches(['\n', '\r']);
+        let line = match input_lines.read("> ")? {
+            Line::Text(line) => line,
+            Line::Eof => break,
+            // ollama's answer to Ctrl-C at the prompt: the chat goes on.
+            Line::Interrupted => {
+                eprintln!("(Ctrl-D or /bye to exit)");
+                continue;
+            }
+        };
+        let input = line.as_str();
         if input.trim().is_empty() {
             continue;
         }

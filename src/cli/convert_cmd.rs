@@ -55,9 +55,13 @@ impl MixArgs {
 
 #[derive(Args)]
 pub struct ConvertArgs {
-    /// Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files).
-    #[arg(required_unless_present = "synthetic")]
+    /// Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files), or a Hub
+    /// repo id (org/name: downloads what the conversion needs into the Hugging Face cache).
+    #[arg(required_unless_present = "synthetic", value_name = "HF_DIR|REPO")]
     hf_dir: Option<PathBuf>,
+    /// With a repo id: the branch, tag or commit to take (default: main).
+    #[arg(long, value_name = "REV")]
+    revision: Option<String>,
     /// Instead of a checkpoint: random weights in a real Qwen3 shape (0.6b, 1.7b, 4b, 8b),
     /// for benchmarks; the tokenizer comes from --tokenizer-dir.
     #[arg(long, value_name = "SHAPE", conflicts_with = "hf_dir")]
@@ -144,28 +148,63 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
         },
         verbosity: a.mix.verbosity(),
     };
-    let stem = match (&a.hf_dir, &a.synthetic) {
-        (_, Some(shape)) => format!("synthetic-{shape}"),
-        (Some(dir), None) => dir
+    // A repo id where a folder was expected: the checkpoint comes from the Hub's cache.
+    let repo = a
+        .hf_dir
+        .as_deref()
+        .and_then(|d| d.to_str())
+        .filter(|d| a.synthetic.is_none() && crate::hub::is_repo_id(d))
+        .map(|d| crate::hub::RepoRef::new(d, a.revision.as_deref()));
+    if a.revision.is_some() && repo.is_none() {
+        anyhow::bail!("--revision needs a Hub repo id (org/name) in place of the folder");
+    }
+    let stem = match (&a.hf_dir, &a.synthetic, &repo) {
+        (_, Some(shape), _) => format!("synthetic-{shape}"),
+        (_, None, Some(r)) => r.name().to_string(),
+        (Some(dir), None, None) => dir
             .canonicalize()
             .ok()
             .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
             .unwrap_or_else(|| "model".into()),
-        (None, None) => "model".into(),
+        (None, None, None) => "model".into(),
     };
     let outfile = a
         .outfile
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("{stem}-{}.gguf", a.outtype.display_name())));
-    let summary = match (&a.hf_dir, &a.synthetic) {
-        (_, Some(shape)) => {
+    let summary = match (&a.hf_dir, &a.synthetic, &repo) {
+        (_, Some(shape), _) => {
             let cfg = refusion_convert::synthetic::shape(shape)?;
             refusion_convert::synthetic::write_synthetic(&outfile, &cfg, &a.tokenizer_dir, &opts)?
         }
-        (Some(dir), None) => refusion_convert::convert(dir, &outfile, &opts)?,
-        (None, None) => anyhow::bail!("give a checkpoint folder or --synthetic SHAPE"),
+        (_, None, Some(r)) => {
+            // The output's folder is checked before gigabytes are downloaded.
+            check_output_folder(&outfile)?;
+            let hub = crate::hub::Hub::from_env(opts.verbosity != Verbosity::Quiet)?;
+            let dir = hub.checkpoint(r)?;
+            if opts.verbosity != Verbosity::Quiet {
+                eprintln!("{} ({}): {}", r.id, r.revision, dir.display());
+            }
+            refusion_convert::convert(&dir, &outfile, &opts)?
+        }
+        (Some(dir), None, None) => refusion_convert::convert(dir, &outfile, &opts)?,
+        (None, None, None) => anyhow::bail!("give a checkpoint folder or --synthetic SHAPE"),
     };
     report(&outfile, &summary, opts.verbosity);
+    Ok(())
+}
+
+fn check_output_folder(outfile: &std::path::Path) -> Result<()> {
+    let parent = match outfile.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    if !parent.is_dir() {
+        anyhow::bail!("output folder '{}' does not exist", parent.display());
+    }
+    if outfile.is_dir() {
+        anyhow::bail!("output path '{}' is a directory", outfile.display());
+    }
     Ok(())
 }
 

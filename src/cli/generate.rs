@@ -128,8 +128,13 @@ impl DecodeArgs {
             .eos_id
             .context("the model file has no EOS token (tokenizer.ggml.eos_token_id)")?;
         let mask = tok.mask_id.context(
-            "the model file has no mask token (tokenizer.ggml.mask_token_id): not a ReFusion model",
+            "the model file has no mask token (neither tokenizer.ggml.mask_token_id nor <|mask|> in its vocabulary): not a ReFusion model",
         )?;
+        if tok.mask_from_vocab {
+            eprintln!(
+                "note: the file has no tokenizer.ggml.mask_token_id (llama.cpp's converter omits it); using <|mask|> = {mask} from its vocabulary"
+            );
+        }
         let mut p = DecodeParams::new(d, eos, mask);
         p.gen_length = self.gen_length.unwrap_or(d.gen_length);
         p.slot_size = self.slot_size.unwrap_or(d.slot_size);

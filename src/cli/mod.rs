@@ -5,6 +5,7 @@ mod chat;
 mod convert_cmd;
 mod demo;
 pub mod generate;
+mod line_input;
 pub mod model_args;
 mod serve;
 
@@ -29,7 +30,7 @@ enum Command {
     Quantize(convert_cmd::QuantizeArgs),
     /// Print a GGUF file's metadata and tensor table.
     Info(convert_cmd::InfoArgs),
-    /// Write a random ReFusion-shaped checkpoint, convert it and generate from it (no download).
+    /// Write the embedded tiny ReFusion, convert it and answer a question with it (no download).
     Demo(demo::DemoArgs),
     /// Generate an answer with ReFusion's slot decoding.
     Generate(generate::GenerateArgs),
@@ -77,6 +78,8 @@ fn llama_cpp_flag(arg: std::ffi::OsString) -> std::ffi::OsString {
     };
     for (short, long) in [
         ("-ngl", "--n-gpu-layers"),
+        ("-hf", "--hf-repo"),
+        ("-hfr", "--hf-repo"),
         ("-ub", "--ubatch-size"),
         ("-sys", "--system"),
         ("-ctk", "--cache-type-k"),

@@ -11,8 +11,17 @@ use crate::runtime::{DeviceChoice, LoadOptions};
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
     /// GGUF model file.
-    #[arg(short = 'm', long = "model")]
-    pub model: PathBuf,
+    #[arg(short = 'm', long = "model", required_unless_present = "hf_repo")]
+    pub model: Option<PathBuf>,
+    /// A GGUF repository on the Hugging Face Hub (llama.cpp's -hf): REPO[:QUANT] picks the file
+    /// by its quant name (default Q4_K_M, else the only GGUF) and downloads only that file into
+    /// the Hugging Face cache.
+    #[arg(
+        long = "hf-repo",
+        value_name = "REPO[:QUANT]",
+        conflicts_with = "model"
+    )]
+    pub hf_repo: Option<String>,
     /// Context size in tokens (0: the model's trained context) [default: 4096, or the
     /// trained context if it is smaller].
     #[arg(short = 'c', long = "ctx-size")]
@@ -81,6 +90,26 @@ fn parse_device(s: &str) -> Result<DeviceChoice, String> {
 
 impl ModelArgs {
     /// What to load, after checking llama.cpp's flags that map onto ours or cannot.
+    /// The model file: `-m`, or the GGUF `-hf` names, from the Hugging Face cache (downloaded
+    /// there first when missing). Called after every other flag has been checked.
+    pub fn model_path(&self) -> anyhow::Result<PathBuf> {
+        if let Some(m) = &self.model {
+            return Ok(m.clone());
+        }
+        let spec = self.hf_repo.as_deref().unwrap_or_default();
+        let (id, quant) = match spec.split_once(':') {
+            Some((id, q)) if !q.is_empty() => (id, Some(q)),
+            Some((id, _)) => (id, None),
+            None => (spec, None),
+        };
+        if !crate::hub::is_repo_id(id) {
+            anyhow::bail!("-hf {spec}: expected a Hub repo id, org/name[:QUANT]");
+        }
+        let repo = crate::hub::RepoRef::new(id, None);
+        let hub = crate::hub::Hub::from_env(!self.log_disable)?;
+        Ok(hub.gguf(&repo, quant)?)
+    }
+
     pub fn load_options(&self, verbose: bool) -> anyhow::Result<LoadOptions> {
         if let Some(v) = self.flash_attn.as_deref() {
             if !matches!(v, "off" | "0" | "auto") {
@@ -109,7 +138,7 @@ impl ModelArgs {
             (Some(t), Some(_)) => t,
         };
         Ok(LoadOptions {
-            path: self.model.clone(),
+            path: self.model_path()?,
             context: self.ctx_size,
             cache_type,
             kv_file: self.kv_file.clone(),
