@@ -158,6 +158,11 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
     if a.revision.is_some() && repo.is_none() {
         anyhow::bail!("--revision needs a Hub repo id (org/name) in place of the folder");
     }
+    // general.name: the repository's name, not the snapshot folder's (a commit hash).
+    let mut opts = opts;
+    if opts.name.is_none() {
+        opts.name = repo.as_ref().map(|r| r.name().to_string());
+    }
     let stem = match (&a.hf_dir, &a.synthetic, &repo) {
         (_, Some(shape), _) => format!("synthetic-{shape}"),
         (_, None, Some(r)) => r.name().to_string(),

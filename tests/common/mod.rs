@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod hub;
 pub mod server;
 
 use std::collections::BTreeMap;
