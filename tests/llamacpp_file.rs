@@ -12,8 +12,14 @@ use std::process::Command;
 use common::*;
 use serde_json::Value;
 
-fn llamacpp_file() -> PathBuf {
-    fixtures().join("llamacpp/refusion-tiny-llamacpp-q8_0.gguf")
+/// The fixture, stored gzipped, unpacked into `dir`.
+fn llamacpp_file(dir: &std::path::Path) -> PathBuf {
+    let gz = fixtures().join("llamacpp/refusion-tiny-llamacpp-q8_0.gguf.gz");
+    let out = dir.join("refusion-tiny-llamacpp-q8_0.gguf");
+    let o = Command::new("gzip").arg("-dc").arg(&gz).output().expect("gzip");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::write(&out, o.stdout).unwrap();
+    out
 }
 
 fn generate(model: &std::path::Path) -> std::process::Output {
@@ -37,7 +43,9 @@ fn generate(model: &std::path::Path) -> std::process::Output {
 
 #[test]
 fn a_llama_cpp_file_without_a_mask_id_takes_mask_from_the_vocabulary() {
-    let o = generate(&llamacpp_file());
+    let tmp = tempfile::tempdir().unwrap();
+    let file = llamacpp_file(tmp.path());
+    let o = generate(&file);
     assert!(o.status.success(), "{}", stderr(&o));
     let note = stderr(&o);
     assert!(
@@ -49,7 +57,6 @@ fn a_llama_cpp_file_without_a_mask_id_takes_mask_from_the_vocabulary() {
 
     // The same file with the key added by llama.cpp's own gguf tool gives the same tokens, with
     // no note: the id from the vocabulary is the one the key names.
-    let tmp = tempfile::tempdir().unwrap();
     let with_key = tmp.path().join("with-mask.gguf");
     let python = std::env::var("REFUSION_PYTHON").unwrap_or_else(|_| "python3".into());
     let py = Command::new(&python)
@@ -60,7 +67,7 @@ fn a_llama_cpp_file_without_a_mask_id_takes_mask_from_the_vocabulary() {
             "mask",
             "<|mask|>",
         ])
-        .arg(llamacpp_file())
+        .arg(&file)
         .arg(&with_key)
         .output()
         .expect("python3 with the gguf package");
