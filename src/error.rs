@@ -4,6 +4,9 @@
 pub enum Error {
     #[error("{0}")]
     Msg(String),
+    /// A request the caller got wrong (HTTP 400), checked before any work.
+    #[error(transparent)]
+    Request(#[from] RequestError),
     #[error("the context is full: {needed} entries needed, {capacity} available (raise -c)")]
     ContextFull { needed: usize, capacity: usize },
     #[error(transparent)]
@@ -12,6 +15,27 @@ pub enum Error {
     Cancelled,
     #[error("tensor computation failed: {0}")]
     Candle(#[from] candle_core::Error),
+}
+
+/// What a caller can get wrong in a request: front ends answer these as the caller's mistake
+/// (HTTP 400) without checking again.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RequestError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt contains the mask token ({id}) at index {index}; ReFusion does not infill user masks")]
+    MaskInPrompt { index: usize, id: u32 },
+    #[error("prompt token {token} is outside the vocabulary ({vocab})")]
+    OutsideVocabulary { token: u32, vocab: usize },
+    #[error("prompt ({prompt} tokens) + gen length ({gen}) + one serial block of scratch ({block}) = {} exceeds the context of {capacity} entries", prompt + gen + block)]
+    TooLong {
+        prompt: usize,
+        gen: usize,
+        block: usize,
+        capacity: usize,
+    },
+    #[error("{0}")]
+    Params(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

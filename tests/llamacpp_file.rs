@@ -16,7 +16,11 @@ use serde_json::Value;
 fn llamacpp_file(dir: &std::path::Path) -> PathBuf {
     let gz = fixtures().join("llamacpp/refusion-tiny-llamacpp-q8_0.gguf.gz");
     let out = dir.join("refusion-tiny-llamacpp-q8_0.gguf");
-    let o = Command::new("gzip").arg("-dc").arg(&gz).output().expect("gzip");
+    let o = Command::new("gzip")
+        .arg("-dc")
+        .arg(&gz)
+        .output()
+        .expect("gzip");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     std::fs::write(&out, o.stdout).unwrap();
     out

@@ -54,6 +54,21 @@ impl Batch {
         self.tokens.len()
     }
 
+    /// Empties the batch, keeping its buffers (logits for every token again).
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.positions.clear();
+        self.rows.clear();
+        self.logits_for = LogitsFor::All;
+    }
+
+    /// Appends one token at `position` in `row`.
+    pub fn push(&mut self, token: u32, position: u32, row: u32) {
+        self.tokens.push(token);
+        self.positions.push(position);
+        self.rows.push(row);
+    }
+
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
     }

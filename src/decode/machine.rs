@@ -1,0 +1,583 @@
+//! The decoder as a state machine: [`Decoder::poll`] says which tokens it needs forwarded next
+//! (or that it is done), [`Decoder::feed`] takes their logits back. A scheduler can thus merge
+//! the batches of several decoders into one forward and split the logits back; driven alone
+//! ([`super::generate_cancellable`]) it makes exactly the forwards of the reference's loop.
+//!
+//! One iteration of the reference's `while` loop over a serial block's remaining slots is one
+//! *step*, in phases: plan (draft every remaining slot), verify (the confident slots
+//! autoregressively), and when no slot prefix is accepted, infill (draft and re-verify the
+//! chosen slots as parallel rows, up to `slot_size` rounds).
+
+use super::{argmax, prob, DecodeParams, DecodeResult, Event, Noise};
+use crate::error::{Error, Result};
+use crate::kv::KvCache as SeqCache;
+use crate::model::{Batch, Logits, LogitsFor};
+
+/// What the decoder needs next.
+pub enum Poll<'a> {
+    /// Forward this batch (its rows are the decoder's own) and [`Decoder::feed`] the logits.
+    Forward(&'a Batch),
+    Done,
+}
+
+/// The planning forward's drafts of the remaining slots and the slots chosen to verify.
+struct Planned {
+    x0: Vec<u32>,
+    chosen: Vec<usize>,
+    /// Slots counted in this step's TPF (the confident ones, at least one).
+    counts_block: usize,
+}
+
+/// Parallel infilling of the chosen slots, one row each.
+struct Infill {
+    chosen: Vec<usize>,
+    /// The slots chosen at the start (all removed at the end, whatever EOS truncates).
+    to_remove: Vec<usize>,
+    counts_block: usize,
+    spec: Vec<Vec<u32>>,
+    tags: Vec<Vec<bool>>,
+    row_pos: Vec<Vec<u32>>,
+    row_slot_starts: Vec<u32>,
+    /// Leading tokens of every row verified and kept in the cache.
+    a: usize,
+    /// The current round (`0..slot_size`).
+    it: usize,
+    first_eos_row: Option<usize>,
+}
+
+enum Phase {
+    /// Next: the planning forward over the remaining slots (and any prompt not yet cached).
+    Plan,
+    /// Next: the verification forward of the chosen slots.
+    Verify(Planned),
+    /// Next: round `it`'s draft forward (unverified tokens masked).
+    Draft(Infill),
+    /// Next: round `it`'s re-verification of the rows with their new tokens.
+    Recheck(Infill),
+    Done,
+}
+
+pub struct Decoder {
+    p: DecodeParams,
+    k: usize,
+    prompt_len: usize,
+    block_len: usize,
+    /// The serial block being decoded.
+    block: usize,
+    /// Remaining slots of the block, by start position, in position order.
+    slots: Vec<u32>,
+    /// The part of the prompt not in the cache yet (fed with the first planning forward).
+    pending_prompt: Vec<u32>,
+    eos_flag: bool,
+    noise: Noise,
+    /// Committed tokens and positions, in cache order (prompt first).
+    cur_x: Vec<u32>,
+    cur_pos: Vec<u32>,
+    sum_tpf: f64,
+    tpf_steps: usize,
+    forward_calls: usize,
+    forward_tokens: usize,
+    forward_sizes: Vec<u32>,
+    phase: Phase,
+    /// The batch of the forward asked for (reused between forwards).
+    batch: Batch,
+}
+
+impl Decoder {
+    /// A decoder of `prompt`, whose first `cached` tokens are already the sequence's shared
+    /// entries. The caller has checked the prompt and the cache's room ([`super::check`]).
+    pub fn new(prompt: &[u32], cached: usize, params: &DecodeParams) -> Decoder {
+        let gen_len = params.padded_gen_length() as usize;
+        let mut d = Decoder {
+            p: params.clone(),
+            k: params.slot_size as usize,
+            prompt_len: prompt.len(),
+            block_len: gen_len / params.serial_blocks as usize,
+            block: 0,
+            slots: Vec::new(),
+            pending_prompt: prompt[cached..].to_vec(),
+            eos_flag: false,
+            noise: Noise::new(params.seed),
+            cur_x: prompt[..cached].to_vec(),
+            cur_pos: (0..cached as u32).collect(),
+            sum_tpf: 0.0,
+            tpf_steps: 0,
+            forward_calls: 0,
+            forward_tokens: 0,
+            forward_sizes: Vec::new(),
+            phase: Phase::Plan,
+            batch: Batch::default(),
+        };
+        d.start_block();
+        d
+    }
+
+    fn start_block(&mut self) {
+        let start = self.prompt_len + self.block * self.block_len;
+        self.slots = (0..self.block_len / self.k)
+            .map(|s| (start + s * self.k) as u32)
+            .collect();
+    }
+
+    /// Between two steps (where the reference's loop may be left: cancellation).
+    pub fn at_step_boundary(&self) -> bool {
+        matches!(self.phase, Phase::Plan | Phase::Done)
+    }
+
+    pub fn is_done(&self) -> bool {
+        matches!(self.phase, Phase::Done)
+    }
+
+    /// The next forward, or done. Phases that need no forward (an infill whose rows are all
+    /// verified) are finished here.
+    pub fn poll(
+        &mut self,
+        cache: &mut SeqCache,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<Poll<'_>> {
+        loop {
+            match std::mem::replace(&mut self.phase, Phase::Done) {
+                Phase::Done => return Ok(Poll::Done),
+                Phase::Plan => {
+                    self.build_plan();
+                    self.phase = Phase::Plan;
+                    break;
+                }
+                Phase::Verify(pl) => {
+                    self.build_verify(&pl);
+                    self.phase = Phase::Verify(pl);
+                    break;
+                }
+                Phase::Draft(inf) => {
+                    if inf.it >= self.k || inf.tags.iter().all(|r| r.iter().all(|&t| t)) {
+                        self.finish_infill(inf, cache, on_event)?;
+                        continue;
+                    }
+                    on_event(Event::Infill {
+                        slot_starts: &inf.row_slot_starts,
+                        tokens: &inf.spec,
+                        tags: &inf.tags,
+                    });
+                    self.build_draft(&inf);
+                    self.phase = Phase::Draft(inf);
+                    break;
+                }
+                Phase::Recheck(inf) => {
+                    self.build_recheck(&inf);
+                    self.phase = Phase::Recheck(inf);
+                    break;
+                }
+            }
+        }
+        Ok(Poll::Forward(&self.batch))
+    }
+
+    /// The logits of the batch [`Decoder::poll`] asked for.
+    pub fn feed(
+        &mut self,
+        logits: &Logits,
+        cache: &mut SeqCache,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        self.forward_calls += 1;
+        self.forward_tokens += self.batch.len();
+        self.forward_sizes.push(self.batch.len() as u32);
+        match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Plan => self.after_plan(logits, cache, on_event),
+            Phase::Verify(pl) => self.after_verify(pl, logits, cache, on_event),
+            Phase::Draft(inf) => self.after_draft(inf, logits, cache),
+            Phase::Recheck(inf) => self.after_recheck(inf, logits, cache),
+            Phase::Done => Err(Error::msg(
+                "internal error: logits fed to a finished decoder",
+            )),
+        }
+    }
+
+    /// Removes the step's finished slots and moves to the next step, block or the end.
+    fn end_step(&mut self, mut removed: Vec<usize>) {
+        removed.sort_unstable();
+        removed.dedup();
+        let mut keep = vec![true; self.slots.len()];
+        for i in removed {
+            if let Some(k) = keep.get_mut(i) {
+                *k = false;
+            }
+        }
+        let mut it = keep.iter();
+        self.slots.retain(|_| *it.next().unwrap_or(&true));
+        self.phase = Phase::Plan;
+        while self.slots.is_empty() {
+            self.block += 1;
+            if self.eos_flag || self.block >= self.p.serial_blocks as usize {
+                self.phase = Phase::Done;
+                return;
+            }
+            self.start_block();
+        }
+    }
+
+    /// 1. Planning forward over the remaining masks (with the rest of the prompt, first time).
+    fn build_plan(&mut self) {
+        let b = &mut self.batch;
+        b.clear();
+        let first = self.cur_x.len() as u32;
+        for (i, &t) in self.pending_prompt.iter().enumerate() {
+            b.push(t, first + i as u32, 0);
+        }
+        for &s in &self.slots {
+            for j in 0..self.k as u32 {
+                b.push(self.p.mask_id, s + j, 0);
+            }
+        }
+        b.logits_for = LogitsFor::Indices((self.pending_prompt.len()..b.len()).collect());
+    }
+
+    fn after_plan(
+        &mut self,
+        logits: &Logits,
+        cache: &mut SeqCache,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        let (k, n_slots) = (self.k, self.slots.len());
+        let n_prompt = self.pending_prompt.len();
+        if n_prompt > 0 {
+            // The prompt's KV stays; the masks' is dropped.
+            let first = self.cur_x.len() as u32;
+            cache.truncate_rows(n_prompt);
+            cache.commit_row(0)?;
+            self.cur_x.append(&mut self.pending_prompt);
+            self.cur_pos.extend((0..n_prompt as u32).map(|i| first + i));
+        } else {
+            cache.clear_rows();
+        }
+        let n_gen = n_slots * k;
+        let mut x0 = Vec::with_capacity(n_gen);
+        let mut x0_p = Vec::with_capacity(n_gen);
+        for j in 0..n_gen {
+            let row = logits.row(j);
+            let tok = if self.p.temperature > 0.0 {
+                self.noise.sample(row, self.p.temperature)
+            } else {
+                argmax(row)
+            };
+            x0.push(tok as u32);
+            x0_p.push(prob(row, tok));
+        }
+        on_event(Event::Planned {
+            slot_starts: &self.slots,
+            slot_size: k,
+            tokens: &x0,
+        });
+        // Slot confidence: the first token's probability. Chosen: above the threshold, else
+        // the most confident slot.
+        let conf: Vec<f32> = (0..n_slots).map(|s| x0_p[s * k]).collect();
+        let mut chosen: Vec<usize> = (0..n_slots)
+            .filter(|&s| conf[s] > self.p.slot_threshold)
+            .collect();
+        let counts_block = chosen.len().max(1);
+        if chosen.is_empty() {
+            chosen.push(argmax(&conf));
+        }
+        self.phase = Phase::Verify(Planned {
+            x0,
+            chosen,
+            counts_block,
+        });
+        Ok(())
+    }
+
+    /// 2. Global verification: the chosen slots concatenated, in position order.
+    fn build_verify(&mut self, pl: &Planned) {
+        let b = &mut self.batch;
+        b.clear();
+        for &s in &pl.chosen {
+            for j in 0..self.k {
+                b.push(pl.x0[s * self.k + j], self.slots[s] + j as u32, 0);
+            }
+        }
+    }
+
+    fn after_verify(
+        &mut self,
+        pl: Planned,
+        ver: &Logits,
+        cache: &mut SeqCache,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        let (k, n_slots, eos) = (self.k, self.slots.len(), self.p.eos_id);
+        let Planned {
+            x0,
+            chosen,
+            counts_block,
+        } = pl;
+        // Token i of a slot (i >= 1) takes its autoregressive probability (shifted logits);
+        // token 0 keeps the planning probability and is always accepted.
+        let mut tags: Vec<Vec<bool>> = Vec::with_capacity(chosen.len());
+        let mut flat_mask = Vec::with_capacity(chosen.len() * k);
+        for (c, &s) in chosen.iter().enumerate() {
+            let mut row = Vec::with_capacity(k);
+            let mut ok = true;
+            for j in 0..k {
+                let flat = c * k + j;
+                let pass = j == 0
+                    || prob(ver.row(flat - 1), x0[s * k + j] as usize) > self.p.token_threshold;
+                flat_mask.push(pass);
+                ok &= pass;
+                row.push(ok);
+            }
+            tags.push(row);
+        }
+        let prefix_len = flat_mask.iter().take_while(|&&b| b).count();
+        let flat_tokens = &self.batch.tokens;
+
+        let mut to_remove: Vec<usize> = Vec::new();
+        // remain: (relative slot index, tokens of it kept)
+        let mut remain: Vec<(usize, usize)> = Vec::new();
+        if let Some(first_eos) = flat_tokens[..prefix_len].iter().position(|&t| t == eos) {
+            let eos_slot_pos = first_eos / k + 1;
+            let eos_token_pos = first_eos % k;
+            let eos_slot = chosen[eos_slot_pos - 1];
+            for (i, &s) in chosen[..eos_slot_pos].iter().enumerate() {
+                let len = if i + 1 == eos_slot_pos {
+                    eos_token_pos + 1
+                } else {
+                    k
+                };
+                remain.push((s, len));
+            }
+            self.eos_flag = true;
+            to_remove.extend(eos_slot..n_slots);
+        } else if prefix_len / k > 0 {
+            let m = prefix_len / k;
+            remain.extend(chosen[..m].iter().map(|&s| (s, k)));
+        }
+        if !remain.is_empty() {
+            to_remove.extend(remain.iter().map(|&(s, _)| s));
+            let mut positions = Vec::new();
+            let mut tokens = Vec::new();
+            for &(s, len) in &remain {
+                for j in 0..len {
+                    tokens.push(x0[s * k + j]);
+                    positions.push(self.slots[s] + j as u32);
+                }
+            }
+            // Their KV from the verification forward: the leading entries of row 0.
+            cache.truncate_rows(tokens.len());
+            cache.commit_row(0)?;
+            self.cur_x.extend_from_slice(&tokens);
+            self.cur_pos.extend_from_slice(&positions);
+            on_event(Event::Committed {
+                positions: &positions,
+                tokens: &tokens,
+            });
+            self.sum_tpf += (k * remain.len()) as f64 / 2.0;
+            self.tpf_steps += 1;
+            self.end_step(to_remove);
+            return Ok(());
+        }
+        cache.clear_rows();
+
+        // 3. Parallel infilling: one row per chosen slot over the shared cache.
+        let spec = chosen
+            .iter()
+            .map(|&s| x0[s * k..(s + 1) * k].to_vec())
+            .collect();
+        let row_pos = chosen
+            .iter()
+            .map(|&s| (0..k as u32).map(|j| self.slots[s] + j).collect())
+            .collect();
+        let row_slot_starts = chosen.iter().map(|&s| self.slots[s]).collect();
+        self.phase = Phase::Draft(Infill {
+            to_remove: chosen.clone(),
+            chosen,
+            counts_block,
+            spec,
+            tags,
+            row_pos,
+            row_slot_starts,
+            a: 0,
+            it: 0,
+            first_eos_row: None,
+        });
+        Ok(())
+    }
+
+    /// Draft: the rows' unverified tokens masked; the draft's KV is dropped again.
+    fn build_draft(&mut self, inf: &Infill) {
+        let b = &mut self.batch;
+        b.clear();
+        for r in 0..inf.spec.len() {
+            for j in inf.a..self.k {
+                let t = if inf.tags[r][j] {
+                    inf.spec[r][j]
+                } else {
+                    self.p.mask_id
+                };
+                b.push(t, inf.row_pos[r][j], r as u32);
+            }
+        }
+    }
+
+    fn after_draft(&mut self, mut inf: Infill, dl: &Logits, cache: &mut SeqCache) -> Result<()> {
+        let width = self.k - inf.a;
+        cache.truncate_rows(inf.a);
+        for r in 0..inf.spec.len() {
+            for j in inf.a..self.k {
+                if !inf.tags[r][j] {
+                    inf.spec[r][j] = argmax(dl.row(r * width + (j - inf.a))) as u32;
+                }
+            }
+        }
+        self.phase = Phase::Recheck(inf);
+        Ok(())
+    }
+
+    /// Re-verification of the rows with their new tokens.
+    fn build_recheck(&mut self, inf: &Infill) {
+        let b = &mut self.batch;
+        b.clear();
+        for r in 0..inf.spec.len() {
+            for j in inf.a..self.k {
+                b.push(inf.spec[r][j], inf.row_pos[r][j], r as u32);
+            }
+        }
+    }
+
+    fn after_recheck(&mut self, mut inf: Infill, vl: &Logits, cache: &mut SeqCache) -> Result<()> {
+        let (k, a, eos) = (self.k, inf.a, self.p.eos_id);
+        let width = k - a;
+        let n_rows = inf.spec.len();
+        for r in 0..n_rows {
+            let mut ok = true;
+            let old = inf.tags[r].clone();
+            for j in a..k {
+                let local = j - a;
+                // Token j is scored by the logit of token j-1 (token a by its own).
+                let src = r * width + local.saturating_sub(1);
+                let mut pass = prob(vl.row(src), inf.spec[r][j] as usize) > self.p.token_threshold;
+                // A token whose predecessor was verified is accepted (at least one per row).
+                if local == 0 || old[j - 1] {
+                    pass = true;
+                }
+                ok &= pass;
+                inf.tags[r][j] = ok;
+            }
+        }
+        // EOS among the newly verified tokens: keep rows up to the first such row.
+        if let Some(r) =
+            (0..n_rows).find(|&r| (a..k).any(|j| inf.tags[r][j] && inf.spec[r][j] == eos))
+        {
+            inf.first_eos_row = Some(r);
+            inf.spec.truncate(r + 1);
+            inf.tags.truncate(r + 1);
+            inf.tags[r].iter_mut().for_each(|t| *t = true);
+            inf.row_pos.truncate(r + 1);
+            inf.chosen.truncate(r + 1);
+            inf.row_slot_starts.truncate(r + 1);
+            cache.retain_rows(r + 1);
+        }
+        let m = inf
+            .tags
+            .iter()
+            .map(|row| row[inf.a..].iter().filter(|&&t| t).count())
+            .min()
+            .unwrap_or(0);
+        if m > 0 {
+            if inf.tags.iter().any(|row| row.iter().any(|&t| !t)) {
+                inf.a += m - 1;
+            } else {
+                inf.a += m;
+            }
+            cache.truncate_rows(inf.a);
+        }
+        inf.it += 1;
+        self.phase = Phase::Draft(inf);
+        Ok(())
+    }
+
+    /// The end of infilling: TPF, every row's KV committed in slot order (cut after the first
+    /// EOS), and the slots removed.
+    fn finish_infill(
+        &mut self,
+        inf: Infill,
+        cache: &mut SeqCache,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        let (k, eos, n_slots) = (self.k, self.p.eos_id, self.slots.len());
+        // The reference's loop variable: the last round entered (it stops at slot_size - 1).
+        let loop_iter = inf.it.min(k - 1);
+        self.sum_tpf += (k * inf.counts_block) as f64 / (loop_iter * 2 + 2) as f64;
+        self.tpf_steps += 1;
+        if inf.a != k {
+            return Err(Error::msg(format!(
+                "internal error: infilling ended with {} of {k} tokens verified",
+                inf.a
+            )));
+        }
+        let mut entries = Vec::new();
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        'rows: for (r, row) in inf.spec.iter().enumerate() {
+            for (j, &t) in row.iter().enumerate() {
+                entries.push((r, j));
+                tokens.push(t);
+                positions.push(inf.row_pos[r][j]);
+                if t == eos {
+                    break 'rows;
+                }
+            }
+        }
+        cache.commit(&entries)?;
+        self.cur_x.extend_from_slice(&tokens);
+        self.cur_pos.extend_from_slice(&positions);
+        on_event(Event::Committed {
+            positions: &positions,
+            tokens: &tokens,
+        });
+        let mut to_remove = inf.to_remove.clone();
+        if let Some(r) = inf.first_eos_row {
+            // The fix of the reference's bug: remove from the EOS slot's own index, not from
+            // the row index (which would drop pending slots that were never generated).
+            let from = if self.p.reference_eos_bug {
+                r
+            } else {
+                inf.chosen[r]
+            };
+            to_remove.extend(from..n_slots);
+            self.eos_flag = true;
+        }
+        self.end_step(to_remove);
+        Ok(())
+    }
+
+    /// The result, once done: committed tokens sorted by position, the prompt removed.
+    pub fn result(&mut self) -> DecodeResult {
+        let mut order: Vec<usize> = (0..self.cur_x.len()).collect();
+        order.sort_by_key(|&i| self.cur_pos[i]);
+        let tokens: Vec<u32> = order
+            .iter()
+            .skip(self.prompt_len)
+            .map(|&i| self.cur_x[i])
+            .collect();
+        let positions: Vec<u32> = order
+            .iter()
+            .skip(self.prompt_len)
+            .map(|&i| self.cur_pos[i])
+            .collect();
+        let eos_index = tokens.iter().position(|&t| t == self.p.eos_id);
+        let tpf = if self.tpf_steps > 0 {
+            self.sum_tpf / self.tpf_steps as f64
+        } else {
+            0.0
+        };
+        DecodeResult {
+            tokens,
+            positions,
+            tpf,
+            forward_calls: self.forward_calls,
+            forward_tokens: self.forward_tokens,
+            forward_sizes: std::mem::take(&mut self.forward_sizes),
+            eos_index,
+        }
+    }
+}
