@@ -10,7 +10,7 @@
 
 use super::{argmax, prob, DecodeParams, DecodeResult, Event, Noise};
 use crate::error::{Error, Result};
-use crate::kv::KvCache as SeqCache;
+use crate::kv::SeqCache;
 use crate::model::{Batch, Logits, LogitsFor};
 
 /// What the decoder needs next.
@@ -128,46 +128,21 @@ impl Decoder {
         matches!(self.phase, Phase::Done)
     }
 
-    /// The next forward, or done. Phases that need no forward (an infill whose rows are all
-    /// verified) are finished here.
-    pub fn poll(
-        &mut self,
-        cache: &mut SeqCache,
-        on_event: &mut dyn FnMut(Event<'_>),
-    ) -> Result<Poll<'_>> {
-        loop {
-            match std::mem::replace(&mut self.phase, Phase::Done) {
-                Phase::Done => return Ok(Poll::Done),
-                Phase::Plan => {
-                    self.build_plan();
-                    self.phase = Phase::Plan;
-                    break;
-                }
-                Phase::Verify(pl) => {
-                    self.build_verify(&pl);
-                    self.phase = Phase::Verify(pl);
-                    break;
-                }
-                Phase::Draft(inf) => {
-                    if inf.it >= self.k || inf.tags.iter().all(|r| r.iter().all(|&t| t)) {
-                        self.finish_infill(inf, cache, on_event)?;
-                        continue;
-                    }
-                    on_event(Event::Infill {
-                        slot_starts: &inf.row_slot_starts,
-                        tokens: &inf.spec,
-                        tags: &inf.tags,
-                    });
-                    self.build_draft(&inf);
-                    self.phase = Phase::Draft(inf);
-                    break;
-                }
-                Phase::Recheck(inf) => {
-                    self.build_recheck(&inf);
-                    self.phase = Phase::Recheck(inf);
-                    break;
-                }
+    /// The next forward, or done.
+    pub fn poll(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Result<Poll<'_>> {
+        match &self.phase {
+            Phase::Done => return Ok(Poll::Done),
+            Phase::Plan => self.build_plan(),
+            Phase::Verify(pl) => build_verify(&mut self.batch, pl, &self.slots, self.k),
+            Phase::Draft(inf) => {
+                on_event(Event::Infill {
+                    slot_starts: &inf.row_slot_starts,
+                    tokens: &inf.spec,
+                    tags: &inf.tags,
+                });
+                build_rows(&mut self.batch, inf, self.k, Some(self.p.mask_id));
             }
+            Phase::Recheck(inf) => build_rows(&mut self.batch, inf, self.k, None),
         }
         Ok(Poll::Forward(&self.batch))
     }
@@ -176,7 +151,7 @@ impl Decoder {
     pub fn feed(
         &mut self,
         logits: &Logits,
-        cache: &mut SeqCache,
+        cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
         self.forward_calls += 1;
@@ -186,7 +161,7 @@ impl Decoder {
             Phase::Plan => self.after_plan(logits, cache, on_event),
             Phase::Verify(pl) => self.after_verify(pl, logits, cache, on_event),
             Phase::Draft(inf) => self.after_draft(inf, logits, cache),
-            Phase::Recheck(inf) => self.after_recheck(inf, logits, cache),
+            Phase::Recheck(inf) => self.after_recheck(inf, logits, cache, on_event),
             Phase::Done => Err(Error::msg(
                 "internal error: logits fed to a finished decoder",
             )),
@@ -235,7 +210,7 @@ impl Decoder {
     fn after_plan(
         &mut self,
         logits: &Logits,
-        cache: &mut SeqCache,
+        cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
         let (k, n_slots) = (self.k, self.slots.len());
@@ -286,22 +261,11 @@ impl Decoder {
         Ok(())
     }
 
-    /// 2. Global verification: the chosen slots concatenated, in position order.
-    fn build_verify(&mut self, pl: &Planned) {
-        let b = &mut self.batch;
-        b.clear();
-        for &s in &pl.chosen {
-            for j in 0..self.k {
-                b.push(pl.x0[s * self.k + j], self.slots[s] + j as u32, 0);
-            }
-        }
-    }
-
     fn after_verify(
         &mut self,
         pl: Planned,
         ver: &Logits,
-        cache: &mut SeqCache,
+        cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
         let (k, n_slots, eos) = (self.k, self.slots.len(), self.p.eos_id);
@@ -387,7 +351,7 @@ impl Decoder {
             .map(|&s| (0..k as u32).map(|j| self.slots[s] + j).collect())
             .collect();
         let row_slot_starts = chosen.iter().map(|&s| self.slots[s]).collect();
-        self.phase = Phase::Draft(Infill {
+        let inf = Infill {
             to_remove: chosen.clone(),
             chosen,
             counts_block,
@@ -398,27 +362,16 @@ impl Decoder {
             a: 0,
             it: 0,
             first_eos_row: None,
-        });
-        Ok(())
+        };
+        self.next_round(inf, cache, on_event)
     }
 
-    /// Draft: the rows' unverified tokens masked; the draft's KV is dropped again.
-    fn build_draft(&mut self, inf: &Infill) {
-        let b = &mut self.batch;
-        b.clear();
-        for r in 0..inf.spec.len() {
-            for j in inf.a..self.k {
-                let t = if inf.tags[r][j] {
-                    inf.spec[r][j]
-                } else {
-                    self.p.mask_id
-                };
-                b.push(t, inf.row_pos[r][j], r as u32);
-            }
-        }
-    }
-
-    fn after_draft(&mut self, mut inf: Infill, dl: &Logits, cache: &mut SeqCache) -> Result<()> {
+    fn after_draft(
+        &mut self,
+        mut inf: Infill,
+        dl: &Logits,
+        cache: &mut SeqCache<'_>,
+    ) -> Result<()> {
         let width = self.k - inf.a;
         cache.truncate_rows(inf.a);
         for r in 0..inf.spec.len() {
@@ -432,18 +385,13 @@ impl Decoder {
         Ok(())
     }
 
-    /// Re-verification of the rows with their new tokens.
-    fn build_recheck(&mut self, inf: &Infill) {
-        let b = &mut self.batch;
-        b.clear();
-        for r in 0..inf.spec.len() {
-            for j in inf.a..self.k {
-                b.push(inf.spec[r][j], inf.row_pos[r][j], r as u32);
-            }
-        }
-    }
-
-    fn after_recheck(&mut self, mut inf: Infill, vl: &Logits, cache: &mut SeqCache) -> Result<()> {
+    fn after_recheck(
+        &mut self,
+        mut inf: Infill,
+        vl: &Logits,
+        cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
         let (k, a, eos) = (self.k, inf.a, self.p.eos_id);
         let width = k - a;
         let n_rows = inf.spec.len();
@@ -491,6 +439,20 @@ impl Decoder {
             cache.truncate_rows(inf.a);
         }
         inf.it += 1;
+        self.next_round(inf, cache, on_event)
+    }
+
+    /// Another infill round, or (all rows verified, or `slot_size` rounds done) the end of the
+    /// step: a feed thus always ends mid-step or at a step boundary, never past one.
+    fn next_round(
+        &mut self,
+        inf: Infill,
+        cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        if inf.it >= self.k || inf.tags.iter().all(|r| r.iter().all(|&t| t)) {
+            return self.finish_infill(inf, cache, on_event);
+        }
         self.phase = Phase::Draft(inf);
         Ok(())
     }
@@ -500,7 +462,7 @@ impl Decoder {
     fn finish_infill(
         &mut self,
         inf: Infill,
-        cache: &mut SeqCache,
+        cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
         let (k, eos, n_slots) = (self.k, self.p.eos_id, self.slots.len());
@@ -578,6 +540,32 @@ impl Decoder {
             forward_tokens: self.forward_tokens,
             forward_sizes: std::mem::take(&mut self.forward_sizes),
             eos_index,
+        }
+    }
+}
+
+/// Global verification: the chosen slots concatenated, in position order.
+fn build_verify(b: &mut Batch, pl: &Planned, slots: &[u32], k: usize) {
+    b.clear();
+    for &s in &pl.chosen {
+        for j in 0..k {
+            b.push(pl.x0[s * k + j], slots[s] + j as u32, 0);
+        }
+    }
+}
+
+/// An infill round's forward over the rows' unsettled tokens: the draft (`mask` given: the
+/// unverified tokens masked; its KV is dropped again) or the re-verification with the new
+/// tokens.
+fn build_rows(b: &mut Batch, inf: &Infill, k: usize, mask: Option<u32>) {
+    b.clear();
+    for r in 0..inf.spec.len() {
+        for j in inf.a..k {
+            let t = match mask {
+                Some(m) if !inf.tags[r][j] => m,
+                _ => inf.spec[r][j],
+            };
+            b.push(t, inf.row_pos[r][j], r as u32);
         }
     }
 }

@@ -19,7 +19,7 @@ pub use noise::Noise;
 pub use params::DecodeParams;
 
 use crate::error::{Error, RequestError, Result};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, SeqId};
 use crate::model::Forward;
 
 /// What happened, for streaming and `--visual`.
@@ -168,11 +168,11 @@ pub fn generate_cancellable<M: Forward + ?Sized>(
             cache.clear_rows();
             return Err(Error::Cancelled);
         }
-        let logits = match dec.poll(cache, on_event)? {
+        let logits = match dec.poll(on_event)? {
             Poll::Done => break,
             Poll::Forward(batch) => model.forward(batch, cache)?,
         };
-        dec.feed(&logits, cache, on_event)?;
+        dec.feed(&logits, &mut cache.seq(SeqId::DEFAULT), on_event)?;
     }
     Ok(dec.result())
 }

@@ -1,28 +1,39 @@
-//! The KV cache: one preallocated, memory-mapped buffer for the whole context (anonymous by
-//! default, file-backed with `--kv-file`), holding K (after RoPE) and V of every layer.
+//! The KV cache: one preallocated buffer for the whole context holding K (after RoPE) and V of
+//! every layer, memory-mapped (anonymous by default, file-backed with `--kv-file`), plus
+//! device tensors for the layers offloaded with `-ngl`. Three rooms:
+//! - [`cells`]: which slot holds what (sequences, their shared prefixes and private rows, the
+//!   regions they live in, reference counts);
+//! - [`host`] and [`device`]: the K/V bytes of the mapped and the device-resident layers;
+//! - [`saved`]: a sequence's prefix in a file (`--prompt-cache`, chat's `/save`).
 //!
-//! It has two parts:
-//! - the *shared* prefix, entries `0..shared_len()` in cache order, which every row attends to
-//!   and which is read in place, never copied per row;
-//! - *private* entries per row: each forward appends the K/V of its new tokens to their rows
-//!   (HF's `use_cache=True`), and the decoder then truncates the rows, commits chosen entries
-//!   into the shared prefix in a given order (the reference's `full_update`), or drops them.
+//! A *sequence* (one request) has a shared prefix, which each of its rows attends to and which
+//! is read in place, never copied per row: segments borrowed from other sequences (a common
+//! prompt, held once) and then its own committed entries. Each forward appends the K/V of its
+//! new tokens to their rows' *private* entries (HF's `use_cache=True`); the decoder then
+//! truncates the rows, commits chosen entries into the shared prefix in a given order (the
+//! reference's `full_update`), or drops them. Cropping is O(1); committing copies only the
+//! committed entries.
 //!
-//! Private entries live in slots after the shared prefix; a row is a list of slot indices.
-//! Cropping is O(1); committing copies only the committed entries.
-//!
-//! With `-ngl`, the first layers run on an accelerator and their K/V live there, as one
-//! `[n_kv_heads, capacity, head_dim]` tensor per layer for K and one for V, with the same slot
-//! numbering; the map then holds only the layers that run on the CPU. Every operation below
-//! acts on both parts alike (on the device by gathers and in-place slice writes: the shared
-//! prefix is never replicated per row there either).
+//! A cache made with [`KvCache::new`] (or its siblings) has one sequence,
+//! [`SeqId::DEFAULT`], over the whole capacity, and its methods without a sequence act on it.
 
-use std::fs::OpenOptions;
+pub mod cells;
+pub mod device;
+pub mod host;
+pub mod saved;
+
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use half::f16;
-use memmap2::MmapMut;
+
+pub use cells::{Move, Segment, SeqId};
+pub use device::DeviceLayer;
+pub use saved::SavedPrefix;
+
+use cells::Cells;
+use device::DeviceStore;
+use host::HostStore;
 
 use crate::error::{Error, Result};
 
@@ -61,13 +72,20 @@ impl std::str::FromStr for CacheType {
     }
 }
 
+/// Keys or values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kv {
+    K = 0,
+    V = 1,
+}
+
 /// The cache's geometry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CacheShape {
     pub n_layers: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
-    /// Entries (tokens) the buffer holds: shared prefix plus private slots.
+    /// Entries (tokens) the buffer holds: shared prefixes plus private slots.
     pub capacity: usize,
 }
 
@@ -82,12 +100,6 @@ impl CacheShape {
     }
 }
 
-/// The K and V tensors of one device-resident layer, `[n_kv_heads, capacity, head_dim]`.
-pub struct DeviceLayer {
-    pub k: Tensor,
-    pub v: Tensor,
-}
-
 /// Read access to one layer's K or V for one KV head: `head_dim` elements per slot.
 pub enum HeadView<'a> {
     F32(&'a [f32]),
@@ -97,20 +109,9 @@ pub enum HeadView<'a> {
 pub struct KvCache {
     shape: CacheShape,
     ty: CacheType,
-    /// Layers `0..device.len()` live on the device; the map holds the others.
-    device: Vec<DeviceLayer>,
-    mmap: MmapMut,
-    shared: usize,
-    shared_pos: Vec<u32>,
-    /// Private slots of each row, in order.
-    rows: Vec<Vec<usize>>,
-    /// Position id of every slot (shared and private).
-    slot_pos: Vec<u32>,
-    /// Private slot allocation: bump pointer over `shared..capacity` plus freed slots.
-    next_free: usize,
-    free: Vec<usize>,
-    /// Reused staging buffer for commits.
-    staging: Vec<u8>,
+    cells: Cells,
+    host: HostStore,
+    device: DeviceStore,
     /// Bytes of K/V written into the cache or copied within it, over its life (see
     /// [`KvCache::bytes_moved`]).
     moved: u64,
@@ -128,94 +129,37 @@ impl KvCache {
     }
 
     /// A cache whose first `n` layers live on `device` (zeroed there); the others in a map,
-    /// anonymous or backed by the file at `path`.
+    /// anonymous or backed by the file at `path`. It holds one sequence over the whole
+    /// capacity, [`SeqId::DEFAULT`].
     pub fn placed(
         shape: CacheShape,
         ty: CacheType,
         path: Option<&Path>,
         device_layers: Option<(&Device, usize)>,
     ) -> Result<KvCache> {
-        let n_device = device_layers.map_or(0, |(_, n)| n.min(shape.n_layers));
-        let host = CacheShape {
-            n_layers: shape.n_layers - n_device,
-            ..shape
-        };
-        let mut device = Vec::with_capacity(n_device);
-        if let Some((dev, _)) = device_layers {
-            let dims = (shape.n_kv_heads, shape.capacity, shape.head_dim);
-            for l in 0..n_device {
-                let zeros = || {
-                    Tensor::zeros(dims, ty.dtype(), dev).map_err(|e| {
-                        Error::msg(format!(
-                            "cannot allocate the KV cache of layer {l} on {:?}: {e}",
-                            dev.location()
-                        ))
-                    })
-                };
-                device.push(DeviceLayer {
-                    k: zeros()?,
-                    v: zeros()?,
-                });
-            }
-        }
-        let mut cache = match path {
-            Some(p) => Self::map_file(host, ty, p)?,
-            None => Self::map_anon(host, ty)?,
-        };
-        cache.shape = shape;
-        cache.device = device;
+        let mut cache = Self::pool(shape, ty, path, device_layers)?;
+        let id = cache.cells.add_seq(shape.capacity, &[]);
+        debug_assert_eq!(id, Some(SeqId::DEFAULT));
         Ok(cache)
     }
 
-    fn map_anon(shape: CacheShape, ty: CacheType) -> Result<KvCache> {
-        let bytes = Self::total_bytes(&shape, ty)?;
-        let mmap = MmapMut::map_anon(bytes.max(1)).map_err(|e| {
-            Error::msg(format!(
-                "cannot reserve {bytes} bytes for the KV cache: {e}"
-            ))
-        })?;
-        Ok(Self::with_map(shape, ty, mmap))
-    }
-
-    fn map_file(shape: CacheShape, ty: CacheType, path: &Path) -> Result<KvCache> {
-        let bytes = Self::total_bytes(&shape, ty)?;
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
-        file.set_len(bytes as u64)
-            .map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
-        // SAFETY: the file was just created for this cache; nothing else maps it.
-        let mmap = unsafe { MmapMut::map_mut(&file) }
-            .map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
-        Ok(Self::with_map(shape, ty, mmap))
-    }
-
-    fn total_bytes(shape: &CacheShape, ty: CacheType) -> Result<usize> {
-        shape
-            .bytes_per_token(ty)
-            .checked_mul(shape.capacity)
-            .ok_or_else(|| Error::msg("KV cache size overflows"))
-    }
-
-    fn with_map(shape: CacheShape, ty: CacheType, mmap: MmapMut) -> KvCache {
-        KvCache {
+    /// A cache with no sequence yet: [`KvCache::add_seq`] makes them (many requests at once).
+    pub fn pool(
+        shape: CacheShape,
+        ty: CacheType,
+        path: Option<&Path>,
+        device_layers: Option<(&Device, usize)>,
+    ) -> Result<KvCache> {
+        let device = DeviceStore::new(&shape, ty, device_layers)?;
+        let host = HostStore::new(&shape, device.len(), ty, path)?;
+        Ok(KvCache {
             shape,
             ty,
-            device: Vec::new(),
-            mmap,
-            shared: 0,
-            shared_pos: Vec::new(),
-            rows: Vec::new(),
-            slot_pos: vec![0; shape.capacity],
-            next_free: 0,
-            free: Vec::new(),
-            staging: Vec::new(),
+            cells: Cells::new(shape.capacity),
+            host,
+            device,
             moved: 0,
-        }
+        })
     }
 
     pub fn shape(&self) -> CacheShape {
@@ -241,234 +185,87 @@ impl KvCache {
 
     /// The K/V tensors of device-resident layer `layer`.
     pub fn device_layer(&self, layer: usize) -> &DeviceLayer {
-        &self.device[layer]
+        &self.device.layers[layer]
     }
 
-    /// Key/value heads held in the map (layers after the device-resident ones).
-    fn host_heads(&self) -> usize {
-        (self.shape.n_layers - self.device.len()) * 2 * self.shape.n_kv_heads
+    /// The slot bookkeeping (read-only).
+    pub fn cells(&self) -> &Cells {
+        &self.cells
     }
 
-    /// Entries in the shared prefix.
-    pub fn shared_len(&self) -> usize {
-        self.shared
+    /// A new sequence with `reserve` slots of its own, its prefix starting with `borrow`
+    /// ([`Cells::prefix_segments`] of another). `None` when no free range is that long.
+    pub fn add_seq(&mut self, reserve: usize, borrow: &[(Segment, usize)]) -> Option<SeqId> {
+        self.cells.add_seq(reserve, borrow)
     }
 
-    /// Position ids of the shared prefix, in cache order.
-    pub fn shared_positions(&self) -> &[u32] {
-        &self.shared_pos
+    /// Ends a sequence, freeing its entries at once except the first `keep` of its own while a
+    /// cached prefix holds them.
+    pub fn remove_seq(&mut self, id: SeqId, keep: usize) -> Result<()> {
+        self.cells.remove_seq(id, keep)
     }
 
-    pub fn n_rows(&self) -> usize {
-        self.rows.len()
+    /// The operations on one sequence.
+    pub fn seq(&mut self, id: SeqId) -> SeqCache<'_> {
+        SeqCache { cache: self, id }
     }
 
-    /// Private entries of row `r` (0 for a row that does not exist).
-    pub fn row_len(&self, r: usize) -> usize {
-        self.rows.get(r).map_or(0, Vec::len)
-    }
-
-    /// Private slots of row `r`, in order.
-    pub fn row_slots(&self, r: usize) -> &[usize] {
-        self.rows.get(r).map_or(&[], Vec::as_slice)
-    }
-
-    /// Position id of a slot.
-    pub fn slot_position(&self, slot: usize) -> u32 {
-        self.slot_pos[slot]
-    }
-
-    fn used_private(&self) -> usize {
-        self.rows.iter().map(Vec::len).sum()
-    }
-
-    /// Free entries: what a forward may still add.
-    pub fn available(&self) -> usize {
-        self.shape.capacity - self.shared - self.used_private()
-    }
-
-    /// Appends one new entry per token to its row and returns the slots, in batch order.
-    /// Rows are created as needed. Fails, changing nothing, when the context is full.
-    pub fn allocate(&mut self, rows: &[u32], positions: &[u32]) -> Result<Vec<usize>> {
-        if rows.len() > self.available() {
-            return Err(Error::ContextFull {
-                needed: self.shared + self.used_private() + rows.len(),
-                capacity: self.shape.capacity,
-            });
-        }
-        let mut slots = Vec::with_capacity(rows.len());
-        for (&r, &p) in rows.iter().zip(positions) {
-            let slot = match self.free.pop() {
-                Some(s) => s,
-                None => {
-                    self.next_free += 1;
-                    self.next_free - 1
-                }
-            };
-            let r = r as usize;
-            if self.rows.len() <= r {
-                self.rows.resize_with(r + 1, Vec::new);
-            }
-            self.rows[r].push(slot);
-            self.slot_pos[slot] = p;
-            slots.push(slot);
-        }
-        Ok(slots)
-    }
-
-    /// Keeps the first `n` private entries of every row (HF's `crop(shared + n)`).
-    pub fn truncate_rows(&mut self, n: usize) {
-        for row in &mut self.rows {
-            if row.len() > n {
-                self.free.extend(row.drain(n..));
+    /// Appends one new entry per token to its row of its sequence (`seqs` empty: the default
+    /// sequence) and returns the slots, in batch order. Fails, changing nothing, when a
+    /// sequence's room is short.
+    pub fn allocate_for(
+        &mut self,
+        seqs: &[u32],
+        rows: &[u32],
+        positions: &[u32],
+    ) -> Result<Vec<usize>> {
+        let seq_of = |i: usize| SeqId(seqs.get(i).copied().unwrap_or(0));
+        let mut wanted: Vec<(SeqId, usize)> = Vec::new();
+        for i in 0..rows.len() {
+            match wanted.iter_mut().find(|(s, _)| *s == seq_of(i)) {
+                Some((_, n)) => *n += 1,
+                None => wanted.push((seq_of(i), 1)),
             }
         }
-    }
-
-    /// Keeps rows `0..n` and drops the others (HF's `batch_select_minibatch(n)`).
-    pub fn retain_rows(&mut self, n: usize) {
-        if self.rows.len() > n {
-            for row in self.rows.drain(n..) {
-                self.free.extend(row);
+        for &(s, n) in &wanted {
+            let available = self.cells.available(s);
+            if n > available {
+                let cap = self.cells.shared_len(s) + available + self.private_len(s);
+                return Err(Error::ContextFull {
+                    needed: cap - available + n,
+                    capacity: cap,
+                });
             }
         }
-    }
-
-    /// Drops every private entry.
-    pub fn clear_rows(&mut self) {
-        self.rows.clear();
-        self.free.clear();
-        self.next_free = self.shared;
-    }
-
-    /// Truncates the shared prefix to `n` entries (O(1)) and drops every private entry.
-    pub fn crop(&mut self, n: usize) {
-        let n = n.min(self.shared);
-        self.shared = n;
-        self.shared_pos.truncate(n);
-        self.clear_rows();
-    }
-
-    /// Appends the given private entries, `(row, index in row)`, to the shared prefix in the
-    /// given order, then drops every private entry. Only the committed entries are copied.
-    pub fn commit(&mut self, entries: &[(usize, usize)]) -> Result<()> {
-        let mut slots = Vec::with_capacity(entries.len());
-        for &(r, i) in entries {
-            let slot = *self.rows.get(r).and_then(|row| row.get(i)).ok_or_else(|| {
-                Error::msg(format!(
-                    "commit of entry {i} of row {r}, which does not exist"
-                ))
-            })?;
-            slots.push(slot);
-        }
-        let es = self.ty.size();
-        let hd = self.shape.head_dim;
-        let n_heads = self.host_heads();
-        let entry_bytes = hd * es;
-        self.device_move(&slots, self.shared)?;
-        // Stage the entries first: a destination slot may hold another committed entry.
-        self.staging.clear();
-        self.staging.reserve(slots.len() * n_heads * entry_bytes);
-        for head in 0..n_heads {
-            for &s in &slots {
-                let off = self.offset(head, s) * es;
-                self.staging
-                    .extend_from_slice(&self.mmap[off..off + entry_bytes]);
-            }
-        }
-        let positions: Vec<u32> = slots.iter().map(|&s| self.slot_pos[s]).collect();
-        self.moved += 2 * (slots.len() * self.shape.bytes_per_token(self.ty)) as u64;
-        self.clear_rows();
-        let base = self.shared;
-        for head in 0..n_heads {
-            for k in 0..slots.len() {
-                let off = self.offset(head, base + k) * es;
-                let src = (head * slots.len() + k) * entry_bytes;
-                self.mmap[off..off + entry_bytes]
-                    .copy_from_slice(&self.staging[src..src + entry_bytes]);
-            }
-        }
-        for (k, &p) in positions.iter().enumerate() {
-            self.slot_pos[base + k] = p;
-        }
-        self.shared += slots.len();
-        self.shared_pos.extend_from_slice(&positions);
-        self.next_free = self.shared;
-        Ok(())
-    }
-
-    /// Commits every private entry of row `r` (in order) and drops the rest.
-    pub fn commit_row(&mut self, r: usize) -> Result<()> {
-        let entries: Vec<(usize, usize)> = (0..self.row_len(r)).map(|i| (r, i)).collect();
-        self.commit(&entries)
-    }
-
-    /// Removes shared entries for which `keep(index, position)` is false, compacting the rest
-    /// in order (e.g. positions after an EOS before the next chat turn). Drops private entries.
-    pub fn retain_shared(&mut self, mut keep: impl FnMut(usize, u32) -> bool) -> Result<()> {
-        let es = self.ty.size();
-        let entry_bytes = self.shape.head_dim * es;
-        let n_heads = self.host_heads();
-        let kept: Vec<usize> = (0..self.shared)
-            .filter(|&i| keep(i, self.shared_pos[i]))
-            .collect();
-        let shifted = kept
-            .iter()
+        rows.iter()
+            .zip(positions)
             .enumerate()
-            .filter(|&(dst, &src)| dst != src)
-            .count();
-        self.moved += (shifted * self.shape.bytes_per_token(self.ty)) as u64;
-        if shifted > 0 {
-            self.device_move(&kept, 0)?;
-        }
-        for head in 0..n_heads {
-            for (dst, &src) in kept.iter().enumerate() {
-                if dst != src {
-                    let (from, to) = (self.offset(head, src) * es, self.offset(head, dst) * es);
-                    self.mmap.copy_within(from..from + entry_bytes, to);
-                }
-            }
-        }
-        self.shared_pos = kept.iter().map(|&i| self.shared_pos[i]).collect();
-        for (dst, &p) in self.shared_pos.iter().enumerate() {
-            self.slot_pos[dst] = p;
-        }
-        self.shared = kept.len();
-        self.clear_rows();
+            .map(|(i, (&r, &p))| self.cells.allocate(seq_of(i), r as usize, p))
+            .collect()
+    }
+
+    fn private_len(&self, id: SeqId) -> usize {
+        (0..self.cells.n_rows(id))
+            .map(|r| self.cells.row_slots(id, r).len())
+            .sum()
+    }
+
+    /// [`KvCache::allocate_for`] in the default sequence.
+    pub fn allocate(&mut self, rows: &[u32], positions: &[u32]) -> Result<Vec<usize>> {
+        self.allocate_for(&[], rows, positions)
+    }
+
+    fn apply(&mut self, m: &Move) -> Result<()> {
+        self.device.apply(m)?;
+        let moved = self.host.apply(m);
+        // Each entry that changes place is staged (read) and written.
+        self.moved += (2 * moved * self.shape.bytes_per_token(self.ty)) as u64;
         Ok(())
-    }
-
-    /// Element offset of (head index over layer×{K,V}×kv-head, slot).
-    #[inline]
-    fn offset(&self, head: usize, slot: usize) -> usize {
-        (head * self.shape.capacity + slot) * self.shape.head_dim
-    }
-
-    /// Index of a host-resident head in the map: layers count from the first host layer.
-    #[inline]
-    fn head_index(&self, layer: usize, is_v: bool, kv_head: usize) -> usize {
-        debug_assert!(
-            layer >= self.device.len(),
-            "layer {layer} lives on the device"
-        );
-        ((layer - self.device.len()) * 2 + is_v as usize) * self.shape.n_kv_heads + kv_head
     }
 
     /// All slots of one host-resident layer's K (or V) for one KV head.
-    pub fn head(&self, layer: usize, is_v: bool, kv_head: usize) -> HeadView<'_> {
-        let h = self.head_index(layer, is_v, kv_head);
-        let start = self.offset(h, 0);
-        let len = self.shape.capacity * self.shape.head_dim;
-        match self.ty {
-            CacheType::F32 => {
-                let all: &[f32] = bytemuck::cast_slice(&self.mmap[..]);
-                HeadView::F32(&all[start..start + len])
-            }
-            CacheType::F16 => {
-                let all: &[f16] = bytemuck::cast_slice(&self.mmap[..]);
-                HeadView::F16(&all[start..start + len])
-            }
-        }
+    pub fn head(&self, layer: usize, kind: Kv, kv_head: usize) -> HeadView<'_> {
+        self.host.head(layer, kind, kv_head)
     }
 
     /// Writes the K and V of new entries of a device-resident layer. `k` and `v` are
@@ -482,44 +279,29 @@ impl KvCache {
         v: &Tensor,
     ) -> Result<()> {
         self.moved += (k.dim(0)? * self.shape.layer_bytes_per_token(self.ty)) as u64;
-        let dl = &self.device[layer];
-        for (dst, src) in [(&dl.k, k), (&dl.v, v)] {
-            let src = src
-                .transpose(0, 1)?
-                .to_dtype(self.ty.dtype())?
-                .contiguous()?;
-            dst.scatter_set(index, &src, 1)?;
-        }
-        Ok(())
+        self.device.write(layer, index, k, v)
     }
 
-    /// The scatter index for [`KvCache::write_device`]: `slots` broadcast to
-    /// `[n_kv_heads, n, head_dim]` (built once per forward, used by every device layer).
+    /// The scatter index for [`KvCache::write_device`] (built once per forward).
     pub fn device_index(&self, slots: &[usize], device: &Device) -> Result<Tensor> {
-        let (nkv, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
-        let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
-        Ok(Tensor::from_vec(ids, (1, slots.len(), 1), device)?
-            .broadcast_as((nkv, slots.len(), hd))?
-            .contiguous()?)
+        self.device.index(slots, device)
+    }
+
+    /// Writes the K and V of new entries of one host-resident layer: `k` and `v` hold, for
+    /// each slot in `slots`, `n_kv_heads * head_dim` values.
+    pub fn write(&mut self, layer: usize, slots: &[usize], k: &[f32], v: &[f32]) {
+        self.moved += (slots.len() * self.shape.layer_bytes_per_token(self.ty)) as u64;
+        self.host.write(layer, slots, k, v);
     }
 
     /// One entry (`head_dim` values as f32) of any layer, wherever it lives. For tests and
     /// tools, not the forward.
-    pub fn entry(&self, layer: usize, is_v: bool, kv_head: usize, slot: usize) -> Result<Vec<f32>> {
+    pub fn entry(&self, layer: usize, kind: Kv, kv_head: usize, slot: usize) -> Result<Vec<f32>> {
         let hd = self.shape.head_dim;
         if layer < self.device.len() {
-            let t = if is_v {
-                &self.device[layer].v
-            } else {
-                &self.device[layer].k
-            };
-            return Ok(t
-                .get(kv_head)?
-                .get(slot)?
-                .to_dtype(DType::F32)?
-                .to_vec1::<f32>()?);
+            return self.device.entry(layer, kind, kv_head, slot);
         }
-        Ok(match self.head(layer, is_v, kv_head) {
+        Ok(match self.host.head(layer, kind, kv_head) {
             HeadView::F32(h) => h[slot * hd..(slot + 1) * hd].to_vec(),
             HeadView::F16(h) => h[slot * hd..(slot + 1) * hd]
                 .iter()
@@ -528,343 +310,150 @@ impl KvCache {
         })
     }
 
-    /// Writes the K and V of new entries of one host-resident layer: `k` and `v` hold, for
-    /// each slot in `slots`, `n_kv_heads * head_dim` values.
-    pub fn write(&mut self, layer: usize, slots: &[usize], k: &[f32], v: &[f32]) {
-        let (nkv, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
-        self.moved += (slots.len() * self.shape.layer_bytes_per_token(self.ty)) as u64;
-        for (is_v, src) in [(false, k), (true, v)] {
-            for kvh in 0..nkv {
-                let h = self.head_index(layer, is_v, kvh);
-                for (i, &slot) in slots.iter().enumerate() {
-                    let from = &src[(i * nkv + kvh) * hd..(i * nkv + kvh + 1) * hd];
-                    let off = self.offset(h, slot);
-                    match self.ty {
-                        CacheType::F32 => {
-                            let all: &mut [f32] = bytemuck::cast_slice_mut(&mut self.mmap[..]);
-                            all[off..off + hd].copy_from_slice(from);
-                        }
-                        CacheType::F16 => {
-                            let all: &mut [f16] = bytemuck::cast_slice_mut(&mut self.mmap[..]);
-                            for (d, &x) in all[off..off + hd].iter_mut().zip(from) {
-                                *d = f16::from_f32(x);
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// Slot numbers as an index tensor on the cache's device.
-    fn device_ids(&self, slots: &[usize]) -> Result<Tensor> {
-        let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
-        Ok(Tensor::from_vec(
-            ids,
-            slots.len(),
-            self.device[0].k.device(),
-        )?)
-    }
-
-    /// Copies the entries in `slots`, in order, of every device layer to slots `dst..`: a
-    /// gather (which is the staging copy, so sources and destinations may overlap) and an
-    /// in-place write.
-    fn device_move(&self, slots: &[usize], dst: usize) -> Result<()> {
-        if slots.is_empty() || self.device.is_empty() {
-            return Ok(());
-        }
-        let ids = self.device_ids(slots)?;
-        for layer in &self.device {
-            for t in [&layer.k, &layer.v] {
-                t.slice_set(&t.index_select(&ids, 1)?, 1, dst)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The K/V of the given slots of every device layer, as little-endian bytes in file order
-    /// (layer, K then V, KV head, entry).
-    fn device_entries(&self, slots: &[usize]) -> Result<Vec<u8>> {
-        let mut out = Vec::new();
-        if self.device.is_empty() || slots.is_empty() {
-            return Ok(out);
-        }
-        let ids = self.device_ids(slots)?;
-        for layer in &self.device {
-            for t in [&layer.k, &layer.v] {
-                let g = t.index_select(&ids, 1)?.flatten_all()?;
-                match self.ty {
-                    CacheType::F32 => {
-                        for x in g.to_vec1::<f32>()? {
-                            out.extend_from_slice(&x.to_le_bytes());
-                        }
-                    }
-                    CacheType::F16 => {
-                        for x in g.to_vec1::<f16>()? {
-                            out.extend_from_slice(&x.to_le_bytes());
-                        }
-                    }
-                }
-            }
-        }
-        Ok(out)
+    /// Position id of a slot.
+    pub fn slot_position(&self, slot: usize) -> u32 {
+        self.cells.slot_position(slot)
     }
 
     /// Flushes a file-backed cache to disk.
     pub fn flush(&self) -> Result<()> {
-        self.mmap
-            .flush()
-            .map_err(|e| Error::msg(format!("flushing the KV cache: {e}")))
+        self.host.flush()
+    }
+
+    // The default sequence's operations, for the single-sequence front ends.
+
+    /// Entries in the default sequence's shared prefix.
+    pub fn shared_len(&self) -> usize {
+        self.cells.shared_len(SeqId::DEFAULT)
+    }
+
+    /// Position ids of the default sequence's shared prefix, in cache order.
+    pub fn shared_positions(&self) -> Vec<u32> {
+        self.cells.shared_positions(SeqId::DEFAULT)
+    }
+
+    pub fn n_rows(&self) -> usize {
+        self.cells.n_rows(SeqId::DEFAULT)
+    }
+
+    /// Private entries of row `r` (0 for a row that does not exist).
+    pub fn row_len(&self, r: usize) -> usize {
+        self.cells.row_slots(SeqId::DEFAULT, r).len()
+    }
+
+    /// Private slots of row `r`, in order.
+    pub fn row_slots(&self, r: usize) -> &[usize] {
+        self.cells.row_slots(SeqId::DEFAULT, r)
+    }
+
+    /// Free entries: what a forward may still add.
+    pub fn available(&self) -> usize {
+        self.cells.available(SeqId::DEFAULT)
+    }
+
+    pub fn truncate_rows(&mut self, n: usize) {
+        self.seq(SeqId::DEFAULT).truncate_rows(n)
+    }
+
+    pub fn retain_rows(&mut self, n: usize) {
+        self.seq(SeqId::DEFAULT).retain_rows(n)
+    }
+
+    pub fn clear_rows(&mut self) {
+        self.seq(SeqId::DEFAULT).clear_rows()
+    }
+
+    pub fn crop(&mut self, n: usize) {
+        self.seq(SeqId::DEFAULT).crop(n)
+    }
+
+    pub fn commit(&mut self, entries: &[(usize, usize)]) -> Result<()> {
+        self.seq(SeqId::DEFAULT).commit(entries)
+    }
+
+    pub fn commit_row(&mut self, r: usize) -> Result<()> {
+        self.seq(SeqId::DEFAULT).commit_row(r)
+    }
+
+    pub fn retain_shared(&mut self, keep: impl FnMut(usize, u32) -> bool) -> Result<()> {
+        self.seq(SeqId::DEFAULT).retain_shared(keep)
     }
 }
 
-/// A saved prefix read back by [`KvCache::load_prefix`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct SavedPrefix {
-    /// The token at each position `0..n`.
-    pub tokens: Vec<u32>,
-    /// Caller data stored alongside (e.g. a chat's messages).
-    pub extra: Vec<u8>,
+/// One sequence's operations: what the decoder drives between forwards.
+pub struct SeqCache<'a> {
+    cache: &'a mut KvCache,
+    id: SeqId,
 }
 
-const SAVE_MAGIC: &[u8; 4] = b"RFKV";
-const SAVE_VERSION: u32 = 1;
-const SAVE_HEADER: usize = 4 + 4 + 8 + 4 * 4 + 8 * 3;
-
-impl KvCache {
-    /// Writes the shared entries at positions `0..tokens.len()` (their K/V, positions and tokens)
-    /// and `extra` to `path`, atomically (a temporary file, then a rename). `model_hash` ties
-    /// the file to the model ([`refusion_convert::gguf::GgufFile::layout_hash`]).
-    pub fn save_prefix(
-        &self,
-        path: &Path,
-        model_hash: u64,
-        tokens: &[u32],
-        extra: &[u8],
-    ) -> Result<()> {
-        let n = tokens.len();
-        let entries: Vec<usize> = (0..self.shared)
-            .filter(|&i| (self.shared_pos[i] as usize) < n)
-            .collect();
-        if entries.len() != n {
-            return Err(Error::msg(format!(
-                "the cache holds {} of the {n} positions to save",
-                entries.len()
-            )));
-        }
-        let es = self.ty.size();
-        let entry_bytes = self.shape.head_dim * es;
-        let n_heads = self.host_heads();
-        // Device layers come first in the file (layer order): copy their entries back once.
-        let device_payload = self.device_entries(&entries)?;
-        let tokens_le: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        let positions_le: Vec<u8> = entries
-            .iter()
-            .flat_map(|&i| self.shared_pos[i].to_le_bytes())
-            .collect();
-        // The K/V entries are read straight from the cache, once for the checksum and once for
-        // the file: no copy of the payload is built.
-        let entry = |head: usize, i: usize| {
-            let off = self.offset(head, i) * es;
-            &self.mmap[off..off + entry_bytes]
-        };
-        let mut sum = refusion_convert::gguf::Fnv1a::default();
-        for part in [
-            &tokens_le[..],
-            &positions_le[..],
-            extra,
-            &device_payload[..],
-        ] {
-            sum.update(part);
-        }
-        for head in 0..n_heads {
-            for &i in &entries {
-                sum.update(entry(head, i));
-            }
-        }
-        let mut header = Vec::with_capacity(SAVE_HEADER);
-        header.extend_from_slice(SAVE_MAGIC);
-        header.extend_from_slice(&SAVE_VERSION.to_le_bytes());
-        header.extend_from_slice(&model_hash.to_le_bytes());
-        for v in [
-            matches!(self.ty, CacheType::F16) as u32,
-            self.shape.n_layers as u32,
-            self.shape.n_kv_heads as u32,
-            self.shape.head_dim as u32,
-        ] {
-            header.extend_from_slice(&v.to_le_bytes());
-        }
-        header.extend_from_slice(&(n as u64).to_le_bytes());
-        header.extend_from_slice(&(extra.len() as u64).to_le_bytes());
-        header.extend_from_slice(&sum.finish().to_le_bytes());
-
-        let io = |e: std::io::Error| Error::msg(format!("{}: {e}", path.display()));
-        let mut out = refusion_convert::output::AtomicFile::create(path)?;
-        {
-            use std::io::Write;
-            let mut w = std::io::BufWriter::new(out.file());
-            for part in [
-                &header[..],
-                &tokens_le[..],
-                &positions_le[..],
-                extra,
-                &device_payload[..],
-            ] {
-                w.write_all(part).map_err(io)?;
-            }
-            for head in 0..n_heads {
-                for &i in &entries {
-                    w.write_all(entry(head, i)).map_err(io)?;
-                }
-            }
-            w.flush().map_err(io)?;
-        }
-        out.commit()?;
-        Ok(())
+impl SeqCache<'_> {
+    pub fn id(&self) -> SeqId {
+        self.id
     }
 
-    /// Replaces the cache's contents with a saved prefix. Any mismatch (another model, cache
-    /// type or shape, a truncated or corrupt file) is an error naming the problem, and leaves
-    /// the cache empty.
-    pub fn load_prefix(&mut self, path: &Path, model_hash: u64) -> Result<SavedPrefix> {
-        self.crop(0);
-        let bad = |m: &str| Error::msg(format!("{}: {m}", path.display()));
-        let io = |e: std::io::Error| Error::msg(format!("{}: {e}", path.display()));
-        let file = std::fs::File::open(path).map_err(io)?;
-        if file.metadata().map_err(io)?.len() < SAVE_HEADER as u64 {
-            return Err(bad("not a refusion KV cache file (too short)"));
-        }
-        // SAFETY: a read-only map of a file we only read; every offset is checked against its
-        // length before use.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        let bytes: &[u8] = &map;
-        if bytes.len() < SAVE_HEADER || &bytes[..4] != SAVE_MAGIC {
-            return Err(bad("not a refusion KV cache file"));
-        }
-        let u32_at =
-            |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
-        let u64_at = |o: usize| {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(&bytes[o..o + 8]);
-            u64::from_le_bytes(a)
-        };
-        if u32_at(4) != SAVE_VERSION {
-            return Err(bad(&format!("unsupported version {}", u32_at(4))));
-        }
-        if u64_at(8) != model_hash {
-            return Err(bad("it was saved for another model"));
-        }
-        let ty = if u32_at(16) == 1 {
-            CacheType::F16
-        } else {
-            CacheType::F32
-        };
-        if ty != self.ty {
-            return Err(bad(&format!(
-                "it holds a {ty:?} cache, this run uses {:?}",
-                self.ty
-            )));
-        }
-        let (nl, nkv, hd) = (
-            u32_at(20) as usize,
-            u32_at(24) as usize,
-            u32_at(28) as usize,
-        );
-        if (nl, nkv, hd)
-            != (
-                self.shape.n_layers,
-                self.shape.n_kv_heads,
-                self.shape.head_dim,
-            )
-        {
-            return Err(bad("its cache shape differs from the model's"));
-        }
-        let n = u64_at(32);
-        let extra_len = u64_at(40);
-        let checksum = u64_at(48);
-        let es = self.ty.size() as u64;
-        let n_heads = (nl * 2 * nkv) as u64;
-        let expected = (n.checked_mul(8))
-            .and_then(|a| a.checked_add(extra_len))
-            .and_then(|a| {
-                n.checked_mul(n_heads * hd as u64 * es)
-                    .and_then(|p| a.checked_add(p))
-            })
-            .and_then(|a| a.checked_add(SAVE_HEADER as u64));
-        if expected != Some(bytes.len() as u64) {
-            return Err(bad(
-                "the file is truncated or corrupt (its size does not match its header)",
-            ));
-        }
-        let body = &bytes[SAVE_HEADER..];
-        if refusion_convert::gguf::fnv1a(body) != checksum {
-            return Err(bad("the file is corrupt (checksum mismatch)"));
-        }
-        let n = n as usize;
-        if n > self.shape.capacity {
-            return Err(bad(&format!(
-                "it holds {n} entries, more than the context ({})",
-                self.shape.capacity
-            )));
-        }
-        let rd = |o: usize| u32::from_le_bytes([body[o], body[o + 1], body[o + 2], body[o + 3]]);
-        let tokens: Vec<u32> = (0..n).map(|i| rd(4 * i)).collect();
-        let positions: Vec<u32> = (0..n).map(|i| rd(4 * (n + i))).collect();
-        let mut seen = vec![false; n];
-        for &p in &positions {
-            match seen.get_mut(p as usize) {
-                Some(s) if !*s => *s = true,
-                _ => return Err(bad("its positions are not 0..n")),
-            }
-        }
-        let extra_start = 8 * n;
-        let extra = body[extra_start..extra_start + extra_len as usize].to_vec();
-        let payload = &body[extra_start + extra_len as usize..];
-        let entry_bytes = hd * es as usize;
-        // Device layers first (layer order), each as K then V, `[n_kv_heads, n, head_dim]`.
-        let device_bytes = self.device.len() * 2 * nkv * n * entry_bytes;
-        if n > 0 {
-            let part_bytes = nkv * n * entry_bytes;
-            for (l, layer) in self.device.iter().enumerate() {
-                for (j, t) in [&layer.k, &layer.v].into_iter().enumerate() {
-                    let start = (l * 2 + j) * part_bytes;
-                    let bytes = &payload[start..start + part_bytes];
-                    let src = match self.ty {
-                        CacheType::F32 => {
-                            let v: Vec<f32> = bytes
-                                .chunks_exact(4)
-                                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                                .collect();
-                            Tensor::from_vec(v, (nkv, n, hd), t.device())?
-                        }
-                        CacheType::F16 => {
-                            let v: Vec<f16> = bytes
-                                .chunks_exact(2)
-                                .map(|c| f16::from_le_bytes([c[0], c[1]]))
-                                .collect();
-                            Tensor::from_vec(v, (nkv, n, hd), t.device())?
-                        }
-                    };
-                    t.slice_set(&src, 1, 0)?;
-                }
-            }
-        }
-        let payload = &payload[device_bytes..];
-        for head in 0..self.host_heads() {
-            for e in 0..n {
-                let src = (head * n + e) * entry_bytes;
-                let off = self.offset(head, e) * es as usize;
-                self.mmap[off..off + entry_bytes].copy_from_slice(&payload[src..src + entry_bytes]);
-            }
-        }
-        for (e, &p) in positions.iter().enumerate() {
-            self.slot_pos[e] = p;
-        }
-        self.shared = n;
-        self.shared_pos = positions;
-        self.next_free = n;
-        self.moved += (n * self.shape.bytes_per_token(self.ty)) as u64;
-        Ok(SavedPrefix { tokens, extra })
+    /// Entries in the shared prefix (borrowed and own).
+    pub fn shared_len(&self) -> usize {
+        self.cache.cells.shared_len(self.id)
+    }
+
+    /// Position ids of the shared prefix, in cache order.
+    pub fn shared_positions(&self) -> Vec<u32> {
+        self.cache.cells.shared_positions(self.id)
+    }
+
+    pub fn n_rows(&self) -> usize {
+        self.cache.cells.n_rows(self.id)
+    }
+
+    /// Private entries of row `r` (0 for a row that does not exist).
+    pub fn row_len(&self, r: usize) -> usize {
+        self.cache.cells.row_slots(self.id, r).len()
+    }
+
+    /// Free entries: what a forward may still add.
+    pub fn available(&self) -> usize {
+        self.cache.cells.available(self.id)
+    }
+
+    /// Keeps the first `n` private entries of every row (HF's `crop(shared + n)`).
+    pub fn truncate_rows(&mut self, n: usize) {
+        let _ = self.cache.cells.truncate_rows(self.id, n);
+    }
+
+    /// Keeps rows `0..n` and drops the others (HF's `batch_select_minibatch(n)`).
+    pub fn retain_rows(&mut self, n: usize) {
+        let _ = self.cache.cells.retain_rows(self.id, n);
+    }
+
+    /// Drops every private entry.
+    pub fn clear_rows(&mut self) {
+        let _ = self.cache.cells.clear_rows(self.id);
+    }
+
+    /// Truncates the shared prefix to `n` entries (O(1)) and drops every private entry.
+    pub fn crop(&mut self, n: usize) {
+        let _ = self.cache.cells.crop(self.id, n);
+    }
+
+    /// Appends the given private entries, `(row, index in row)`, to the shared prefix in the
+    /// given order, then drops every private entry. Only the committed entries are copied.
+    pub fn commit(&mut self, entries: &[(usize, usize)]) -> Result<()> {
+        let m = self.cache.cells.commit(self.id, entries)?;
+        self.cache.apply(&m)
+    }
+
+    /// Commits every private entry of row `r` (in order) and drops the rest.
+    pub fn commit_row(&mut self, r: usize) -> Result<()> {
+        let entries: Vec<(usize, usize)> = (0..self.row_len(r)).map(|i| (r, i)).collect();
+        self.commit(&entries)
+    }
+
+    /// Removes own shared entries for which `keep(index, position)` is false, compacting the
+    /// rest in order (e.g. positions after an EOS before the next chat turn). Drops private
+    /// entries.
+    pub fn retain_shared(&mut self, keep: impl FnMut(usize, u32) -> bool) -> Result<()> {
+        let m = self.cache.cells.retain_shared(self.id, keep)?;
+        self.cache.apply(&m)
     }
 }
 
@@ -897,7 +486,7 @@ mod tests {
     }
 
     fn tag_of(c: &KvCache, layer: usize, slot: usize) -> f32 {
-        let k = c.entry(layer, false, 1, slot).unwrap();
+        let k = c.entry(layer, Kv::K, 1, slot).unwrap();
         ((k[0] - (layer * 10 + 1) as f32) / 100.0).round()
     }
 
@@ -945,7 +534,7 @@ mod tests {
         let shared: Vec<f32> = (0..6).map(|s| tag_of(&c, 0, s)).collect();
         assert_eq!(shared, vec![1.0, 2.0, 3.0, 20.0, 22.0, 10.0]);
         assert_eq!(c.shared_positions(), &[1, 2, 3, 20, 22, 10]);
-        let v = c.entry(1, true, 0, 5).unwrap()[1];
+        let v = c.entry(1, Kv::V, 0, 5).unwrap()[1];
         match c.cache_type() {
             CacheType::F32 => assert_eq!(v, -(10.0 * 100.0 + 10.0 + 0.01)),
             CacheType::F16 => assert!((v + 1010.01).abs() < 1.0),
@@ -1016,7 +605,7 @@ mod tests {
         dev.load_prefix(&path2, 42).unwrap();
         for layer in 0..2 {
             for slot in 0..3 {
-                for is_v in [false, true] {
+                for is_v in [Kv::K, Kv::V] {
                     assert_eq!(
                         dev.entry(layer, is_v, 1, slot).unwrap(),
                         c.entry(layer, is_v, 1, slot).unwrap()

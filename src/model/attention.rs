@@ -1,19 +1,28 @@
 //! Causal attention of a flat batch over the KV cache, on the CPU.
 //!
-//! Token `i` sees the shared prefix (read in place from the cache by every token: never copied
-//! per row) and the private slots of its own row up to and including its own entry, in cache
-//! order. Positions play no part here: they entered through RoPE.
+//! Token `i` sees its sequence's shared prefix (read in place from the cache by every token:
+//! never copied per row) and the private slots of its own row up to and including its own
+//! entry, in cache order. Positions play no part here: they entered through RoPE.
 
 use std::cell::RefCell;
 
-use crate::kv::{HeadView, KvCache};
+use crate::kv::{HeadView, Kv, KvCache, Segment};
 
-/// What one new token may attend to beyond the shared prefix: the first `count` private slots
-/// of its row.
+/// What one new token attends to: its sequence's shared prefix (segments of slots, in cache
+/// order) and the first `count` private slots of its row.
 #[derive(Debug, Clone, Copy)]
 pub struct Visible<'a> {
+    /// The token's sequence (tokens of one sequence see the same prefix).
+    pub seq: u32,
+    pub prefix: &'a [Segment],
     pub row_slots: &'a [usize],
     pub count: usize,
+}
+
+impl Visible<'_> {
+    pub fn prefix_len(&self) -> usize {
+        self.prefix.iter().map(|s| s.len).sum()
+    }
 }
 
 /// `a · b` with eight partial sums (vectorizes; keeps rounding error low).
@@ -124,6 +133,11 @@ thread_local! {
 }
 
 /// `q`: `[n, n_heads, head_dim]` (after RoPE); writes `[n, n_heads, head_dim]` to `out`.
+///
+/// Batch-invariant: each token's result is computed in the same order (its prefix entries in
+/// cache order, then its row's, one fixed dot product each, one softmax, the values summed in
+/// the same order) whatever else is in the batch, how the batch is chunked, or where in the
+/// cache its entries lie. So a request's answer does not depend on its neighbours.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     q: &[f32],
@@ -135,180 +149,37 @@ pub fn attend(
     head_dim: usize,
     out: &mut [f32],
 ) {
-    // For a few tokens, per-entry dot products beat a matrix product (its packing overhead).
-    if cache.cache_type() == crate::kv::CacheType::F32
-        && cache.shared_len() > 0
-        && visible.len() >= 4
-    {
-        attend_gemm(q, cache, layer, visible, n_heads, n_kv_heads, head_dim, out);
-    } else {
-        attend_direct(q, cache, layer, visible, n_heads, n_kv_heads, head_dim, out);
-    }
-}
-
-/// The f32-cache path: scores against the shared prefix and the weighted sum of its values are
-/// two matrix products per query head (all tokens of the batch at once), run with the `gemm`
-/// crate straight on the cache's memory; each token's own row entries are added on top.
-#[allow(clippy::too_many_arguments)]
-fn attend_gemm(
-    q: &[f32],
-    cache: &KvCache,
-    layer: usize,
-    visible: &[Visible<'_>],
-    n_heads: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
-    out: &mut [f32],
-) {
-    let group = n_heads / n_kv_heads;
-    let shared = cache.shared_len();
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    let avx2 = has_avx2();
-    let n = visible.len();
-    let max_private = visible.iter().map(|v| v.count).max().unwrap_or(0);
-    let stride = shared + max_private;
-    let out_ptr = SharedOut(out.as_mut_ptr());
-    let row = (n_heads * head_dim) as isize;
-    candle_core::utils::barrier_pool().execute_chunked(n_heads, |heads| {
-        for head in heads {
-            let g = head / group;
-            let (HeadView::F32(keys), HeadView::F32(values)) =
-                (cache.head(layer, false, g), cache.head(layer, true, g))
-            else {
-                unreachable!("f32 cache");
-            };
-            SCRATCH.with(|cell| {
-                let mut cell = cell.borrow_mut();
-                let (scores, _) = &mut *cell;
-                if scores.len() < n * stride {
-                    scores.resize(n * stride, 0.0);
-                }
-                let scores = &mut scores[..n * stride];
-                // S[i, t] = scale * q_i · k_t over the shared prefix.
-                // SAFETY: all pointers address live buffers with the given strides and extents:
-                // q is [n, n_heads, head_dim], keys/values hold `shared` entries of head_dim.
-                unsafe {
-                    gemm::gemm(
-                        n,
-                        shared,
-                        head_dim,
-                        scores.as_mut_ptr(),
-                        1,
-                        stride as isize,
-                        false,
-                        q.as_ptr().add(head * head_dim),
-                        1,
-                        row,
-                        keys.as_ptr(),
-                        head_dim as isize,
-                        1,
-                        0.0,
-                        scale,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
-                for (i, vis) in visible.iter().enumerate() {
-                    let qh = &q[(i * n_heads + head) * head_dim..][..head_dim];
-                    for u in 0..vis.count {
-                        let slot = vis.row_slots[u];
-                        scores[i * stride + shared + u] =
-                            dot(qh, &keys[slot * head_dim..(slot + 1) * head_dim], avx2) * scale;
-                    }
-                    let s = &mut scores[i * stride..i * stride + shared + vis.count];
-                    let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                    let mut sum = 0f32;
-                    for x in s.iter_mut() {
-                        *x = (*x - max).exp();
-                        sum += *x;
-                    }
-                    for x in s.iter_mut() {
-                        *x /= sum;
-                    }
-                }
-                // O[i, :] = sum_t P[i, t] v_t over the shared prefix, then the row entries.
-                // SAFETY: as above; this task writes only column block `head` of `out`.
-                unsafe {
-                    gemm::gemm(
-                        n,
-                        head_dim,
-                        shared,
-                        out_ptr.get().add(head * head_dim),
-                        1,
-                        row,
-                        false,
-                        scores.as_ptr(),
-                        1,
-                        stride as isize,
-                        values.as_ptr(),
-                        1,
-                        head_dim as isize,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
-                for (i, vis) in visible.iter().enumerate() {
-                    // SAFETY: the (token i, head) slice belongs to this task only.
-                    let o = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            out_ptr.get().add((i * n_heads + head) * head_dim),
-                            head_dim,
-                        )
-                    };
-                    for u in 0..vis.count {
-                        let slot = vis.row_slots[u];
-                        axpy(
-                            o,
-                            scores[i * stride + shared + u],
-                            &values[slot * head_dim..(slot + 1) * head_dim],
-                            avx2,
-                        );
-                    }
-                }
-            });
-        }
-    });
-}
-
-/// The direct path (f16 cache, or an empty shared prefix): dot products per entry.
-#[allow(clippy::too_many_arguments)]
-fn attend_direct(
-    q: &[f32],
-    cache: &KvCache,
-    layer: usize,
-    visible: &[Visible<'_>],
-    n_heads: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
-    out: &mut [f32],
-) {
-    /// Tokens handled together: each shared-prefix entry is read once for all of them.
+    /// Tokens of one sequence handled together: each prefix entry is read once for all of them.
     const BLOCK: usize = 8;
     let group = n_heads / n_kv_heads;
-    let shared = cache.shared_len();
     let scale = 1.0 / (head_dim as f32).sqrt();
     let avx2 = has_avx2();
-    let n = visible.len();
-    let n_blocks = n.div_ceil(BLOCK);
-    let n_tasks = n_blocks * n_kv_heads;
-    let max_private = visible.iter().map(|v| v.count).max().unwrap_or(0);
-    let stride = shared + max_private;
+    // Runs of at most BLOCK consecutive tokens of the same sequence.
+    let mut blocks: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, v) in visible.iter().enumerate() {
+        match blocks.last_mut() {
+            Some(b) if b.len() < BLOCK && visible[b.start].seq == v.seq => b.end = i + 1,
+            _ => blocks.push(i..i + 1),
+        }
+    }
+    let stride = visible
+        .iter()
+        .map(|v| v.prefix_len() + v.count)
+        .max()
+        .unwrap_or(0);
+    let n_tasks = blocks.len() * n_kv_heads;
     let out_ptr = SharedOut(out.as_mut_ptr());
     // Run on candle's worker pool (the threads that just ran the matmuls): a second pool would
     // oversubscribe the cores while candle's workers spin between operations.
     candle_core::utils::barrier_pool().execute_chunked(n_tasks, |tasks| {
         for task in tasks {
             let (b, g) = (task / n_kv_heads, task % n_kv_heads);
-            let toks = b * BLOCK..((b + 1) * BLOCK).min(n);
+            let toks = blocks[b].clone();
             let nt = toks.len();
-            let keys = cache.head(layer, false, g);
-            let values = cache.head(layer, true, g);
+            let prefix = visible[toks.start].prefix;
+            let shared = visible[toks.start].prefix_len();
+            let keys = cache.head(layer, Kv::K, g);
+            let values = cache.head(layer, Kv::V, g);
             // Query (token, head) pairs of this task, in order: row index = j * group + h.
             let q_of = |j: usize, h: usize| {
                 let i = toks.start + j;
@@ -326,9 +197,10 @@ fn attend_direct(
                 }
                 let scores = &mut scores[..need];
                 let kbuf = &mut kbuf[..head_dim];
+                let prefix_slots = || prefix.iter().flat_map(|s| s.start..s.start + s.len);
                 // Scores against the shared prefix: one read of each key for the whole block.
-                for t in 0..shared {
-                    let k = entry(&keys, t, head_dim, kbuf);
+                for (t, slot) in prefix_slots().enumerate() {
+                    let k = entry(&keys, slot, head_dim, kbuf);
                     for j in 0..nt {
                         for h in 0..group {
                             scores[(j * group + h) * stride + t] = dot(q_of(j, h), k, avx2) * scale;
@@ -375,8 +247,8 @@ fn attend_direct(
                         out_of(j, h).fill(0.0);
                     }
                 }
-                for t in 0..shared {
-                    let v = entry(&values, t, head_dim, kbuf);
+                for (t, slot) in prefix_slots().enumerate() {
+                    let v = entry(&values, slot, head_dim, kbuf);
                     for j in 0..nt {
                         for h in 0..group {
                             axpy(out_of(j, h), scores[(j * group + h) * stride + t], v, avx2);

@@ -1,24 +1,32 @@
 //! Attention of a flat batch over device-resident KV layers, in candle tensor operations (so it
 //! runs wherever candle does: CUDA, and the CPU for tests).
 //!
-//! The same visibility as the CPU kernel in `attention.rs`: token `i` sees the whole shared
+//! The same visibility as the CPU kernel in `attention.rs`: token `i` sees its sequence's shared
 //! prefix and the first `count` private slots of its row. The shared prefix is read in place
-//! (a narrow of the cache tensor, never copied or replicated per row); the private slots of the
-//! rows in the batch are gathered once (a few slots per row) and masked per token. Softmax
-//! runs over both parts together without concatenating them: one max, one sum.
+//! (narrows of the cache tensor, segment by segment, never copied or replicated per row); the
+//! private slots of the rows in the batch are gathered once (a few slots per row) and masked per
+//! token. Softmax runs over both parts together without concatenating them: one max, one sum.
 
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::error::Result;
-use crate::kv::{DeviceLayer, KvCache};
+use crate::kv::{DeviceLayer, KvCache, Segment, SeqId};
 
-/// What one forward's tokens see beyond the shared prefix, built once per forward and used by
-/// every device layer.
-pub struct DeviceVisibility {
-    /// Private slots of every row in the batch (`[u]`, u32).
+/// The tokens of one sequence in a forward (consecutive in the batch) and what they see.
+struct Group {
+    start: usize,
+    len: usize,
+    /// The sequence's shared prefix, read in place tile by tile.
+    prefix: Vec<Segment>,
+    /// Private slots of every row of the group (`[u]`, u32).
     private: Tensor,
-    /// `[n, u]`: 0 where token `i` sees private slot `j`, -inf elsewhere.
+    /// `[len, u]`: 0 where a token sees a private slot, -inf elsewhere.
     mask: Tensor,
+}
+
+/// What one forward's tokens see, built once per forward and used by every device layer.
+pub struct DeviceVisibility {
+    groups: Vec<Group>,
     /// Scatter index of the batch's new entries ([`KvCache::device_index`]).
     pub write_index: Tensor,
     /// RoPE tables for the batch's positions, `[n, head_dim / 2]`.
@@ -27,36 +35,33 @@ pub struct DeviceVisibility {
 }
 
 impl DeviceVisibility {
-    /// `visible[i] = (row, count)`: token `i` sees the first `count` private slots of `row`.
-    /// `slots` are the batch's new entries (already allocated in `cache`); `inv_freq` is RoPE's.
+    /// `visible[i] = (seq, row, count)`: token `i` sees its sequence's shared prefix and the
+    /// first `count` private slots of `row`. `slots` are the batch's new entries (already
+    /// allocated in `cache`); `inv_freq` is RoPE's.
     pub fn new(
         cache: &KvCache,
         slots: &[usize],
-        visible: &[(usize, usize)],
+        visible: &[(u32, usize, usize)],
         positions: &[u32],
         inv_freq: &[f32],
         device: &Device,
     ) -> Result<DeviceVisibility> {
-        let n = visible.len();
-        // Each row's slots once, in order of first appearance in the batch.
-        let mut offsets: Vec<(usize, usize)> = Vec::new();
-        let mut private: Vec<u32> = Vec::new();
-        for &(r, _) in visible {
-            if !offsets.iter().any(|&(row, _)| row == r) {
-                offsets.push((r, private.len()));
-                private.extend(cache.row_slots(r).iter().map(|&s| s as u32));
-            }
-        }
-        let u = private.len();
-        let mut mask = vec![f32::NEG_INFINITY; n * u];
-        for (i, &(r, count)) in visible.iter().enumerate() {
-            let start = offsets
-                .iter()
-                .find(|&&(row, _)| row == r)
-                .map_or(0, |&(_, o)| o);
-            mask[i * u + start..i * u + start + count].fill(0.0);
+        let mut groups = Vec::new();
+        let mut start = 0;
+        while start < visible.len() {
+            let seq = visible[start].0;
+            let len = visible[start..].iter().take_while(|v| v.0 == seq).count();
+            groups.push(Self::group(
+                cache,
+                seq,
+                start,
+                &visible[start..start + len],
+                device,
+            )?);
+            start += len;
         }
         let half = inv_freq.len();
+        let n = visible.len();
         let mut cos = Vec::with_capacity(n * half);
         let mut sin = Vec::with_capacity(n * half);
         for &p in positions {
@@ -68,11 +73,46 @@ impl DeviceVisibility {
             }
         }
         Ok(DeviceVisibility {
-            private: Tensor::from_vec(private, u, device)?,
-            mask: Tensor::from_vec(mask, (n, u), device)?,
+            groups,
             write_index: cache.device_index(slots, device)?,
             cos: Tensor::from_vec(cos, (n, half), device)?,
             sin: Tensor::from_vec(sin, (n, half), device)?,
+        })
+    }
+
+    fn group(
+        cache: &KvCache,
+        seq: u32,
+        start: usize,
+        visible: &[(u32, usize, usize)],
+        device: &Device,
+    ) -> Result<Group> {
+        let id = SeqId(seq);
+        let n = visible.len();
+        // Each row's slots once, in order of first appearance in the group.
+        let mut offsets: Vec<(usize, usize)> = Vec::new();
+        let mut private: Vec<u32> = Vec::new();
+        for &(_, r, _) in visible {
+            if !offsets.iter().any(|&(row, _)| row == r) {
+                offsets.push((r, private.len()));
+                private.extend(cache.cells().row_slots(id, r).iter().map(|&s| s as u32));
+            }
+        }
+        let u = private.len();
+        let mut mask = vec![f32::NEG_INFINITY; n * u];
+        for (i, &(_, r, count)) in visible.iter().enumerate() {
+            let o = offsets
+                .iter()
+                .find(|&&(row, _)| row == r)
+                .map_or(0, |&(_, o)| o);
+            mask[i * u + o..i * u + o + count].fill(0.0);
+        }
+        Ok(Group {
+            start,
+            len: n,
+            prefix: cache.cells().segments(id)?,
+            private: Tensor::from_vec(private, u, device)?,
+            mask: Tensor::from_vec(mask, (n, u), device)?,
         })
     }
 }
@@ -122,18 +162,29 @@ impl Running {
     }
 }
 
-/// Attention of `q` (`[n, n_heads, head_dim]`, after RoPE) over one device layer whose first
-/// `shared` slots are the shared prefix. Returns `[n, n_heads * head_dim]` f32.
-///
-/// The shared prefix is read in tiles of `tile` entries with a running maximum and sum, so the
-/// scratch does not grow with the context; the rows' private slots (masked per token) come last.
+/// Attention of `q` (`[n, n_heads, head_dim]`, after RoPE) over one device layer, each
+/// sequence's tokens over its own shared prefix and rows. Returns `[n, n_heads * head_dim]` f32.
 pub fn attend(
     q: &Tensor,
     layer: &DeviceLayer,
-    shared: usize,
     vis: &DeviceVisibility,
     tile: usize,
 ) -> Result<Tensor> {
+    let outs = vis
+        .groups
+        .iter()
+        .map(|g| attend_group(&q.narrow(0, g.start, g.len)?, layer, g, tile))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(match outs.len() {
+        1 => outs.into_iter().next().unwrap_or_else(|| unreachable!()),
+        _ => Tensor::cat(&outs, 0)?,
+    })
+}
+
+/// One sequence's tokens. The shared prefix is read in tiles of `tile` entries with a running
+/// maximum and sum, so the scratch does not grow with the context; the rows' private slots
+/// (masked per token) come last.
+fn attend_group(q: &Tensor, layer: &DeviceLayer, g: &Group, tile: usize) -> Result<Tensor> {
     let (n, nh, hd) = q.dims3()?;
     let (nkv, _, _) = layer.k.dims3()?;
     let group = nh / nkv;
@@ -146,21 +197,24 @@ pub fn attend(
 
     let mut run = None;
     let tile = tile.max(1);
-    for start in (0..shared).step_by(tile) {
-        let len = tile.min(shared - start);
-        let k = layer.k.narrow(1, start, len)?;
-        let s = q.matmul(&k.t()?)?.to_dtype(DType::F32)?;
-        run = Some(Running::absorb(run, &s, &layer.v.narrow(1, start, len)?)?);
+    for seg in &g.prefix {
+        for start in (0..seg.len).step_by(tile) {
+            let len = tile.min(seg.len - start);
+            let k = layer.k.narrow(1, seg.start + start, len)?;
+            let s = q.matmul(&k.t()?)?.to_dtype(DType::F32)?;
+            let v = layer.v.narrow(1, seg.start + start, len)?;
+            run = Some(Running::absorb(run, &s, &v)?);
+        }
     }
-    let kp = layer.k.index_select(&vis.private, 1)?;
-    let vp = layer.v.index_select(&vis.private, 1)?;
+    let kp = layer.k.index_select(&g.private, 1)?;
+    let vp = layer.v.index_select(&g.private, 1)?;
     let u = kp.dim(1)?;
     // Every token sees at least itself, a private slot, so the maximum is finite.
     let sp = q
         .matmul(&kp.t()?)?
         .to_dtype(DType::F32)?
         .reshape((nkv, group, n, u))?
-        .broadcast_add(&vis.mask)?
+        .broadcast_add(&g.mask)?
         .reshape((nkv, group * n, u))?;
     let run = Running::absorb(run, &sp, &vp)?;
     let out = run.out.broadcast_div(&run.sum)?;

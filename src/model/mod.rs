@@ -16,14 +16,17 @@ use crate::error::Result;
 use crate::kv::KvCache;
 
 /// One forward call: new tokens in a flat list. Token `i` sits at RoPE position
-/// `positions[i]` in row `rows[i]`; it attends to the cache's shared prefix, to its row's
-/// private entries, and to the earlier tokens of its row in this batch. Every token's K/V is
-/// appended to its row's private entries.
+/// `positions[i]` in row `rows[i]` of sequence `seqs[i]`; it attends to its sequence's shared
+/// prefix, to its row's private entries, and to the earlier tokens of its row in this batch.
+/// Every token's K/V is appended to its row's private entries. Tokens of one sequence come
+/// together (the decoders' batches side by side).
 #[derive(Debug, Clone, Default)]
 pub struct Batch {
     pub tokens: Vec<u32>,
     pub positions: Vec<u32>,
     pub rows: Vec<u32>,
+    /// The sequence of each token; empty: every token in the default sequence.
+    pub seqs: Vec<u32>,
     /// Which tokens to compute logits for (batch indices, in the order wanted).
     pub logits_for: LogitsFor,
 }
@@ -46,6 +49,7 @@ impl Batch {
             tokens: tokens.to_vec(),
             positions: positions.to_vec(),
             rows: vec![row; tokens.len()],
+            seqs: Vec::new(),
             logits_for: LogitsFor::All,
         }
     }
@@ -59,7 +63,13 @@ impl Batch {
         self.tokens.clear();
         self.positions.clear();
         self.rows.clear();
+        self.seqs.clear();
         self.logits_for = LogitsFor::All;
+    }
+
+    /// The sequence of token `i`.
+    pub fn seq(&self, i: usize) -> u32 {
+        self.seqs.get(i).copied().unwrap_or(0)
     }
 
     /// Appends one token at `position` in `row`.

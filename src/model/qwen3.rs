@@ -23,7 +23,7 @@ use super::device_attention::{self, DeviceVisibility};
 use super::linear::Linear;
 use super::{Batch, Forward, Logits, Offload, Qwen3Config};
 use crate::error::{Error, Result};
-use crate::kv::{CacheShape, KvCache};
+use crate::kv::{CacheShape, KvCache, Segment, SeqId};
 
 fn candle_dtype(ty: GgmlType) -> GgmlDType {
     match ty {
@@ -443,8 +443,11 @@ struct Chunk<'a> {
     tokens: &'a [u32],
     positions: &'a [u32],
     slots: &'a [usize],
-    /// `(row, count)`: the token sees the first `count` private slots of its row.
-    visible: &'a [(usize, usize)],
+    /// `(seq, row, count)`: the token sees its sequence's shared prefix and the first `count`
+    /// private slots of its row.
+    visible: &'a [(u32, usize, usize)],
+    /// The shared prefix of each sequence in the batch.
+    prefixes: &'a [(u32, Vec<Segment>)],
     /// Chunk indices logits are wanted for.
     wanted: Vec<usize>,
 }
@@ -484,13 +487,7 @@ impl Qwen3 {
                     let k = device_attention::rope(&k, vis)?;
                     let v = v.reshape((n, nkv, hd))?;
                     cache.write_device(l, &vis.write_index, &k, &v)?;
-                    device_attention::attend(
-                        &q,
-                        cache.device_layer(l),
-                        cache.shared_len(),
-                        vis,
-                        self.attn_tile,
-                    )?
+                    device_attention::attend(&q, cache.device_layer(l), vis, self.attn_tile)?
                 }
                 _ => {
                     let mut q = q.flatten_all()?.to_vec1::<f32>()?;
@@ -499,11 +496,19 @@ impl Qwen3 {
                     self.rope(&mut q, c.positions, nh);
                     self.rope(&mut k, c.positions, nkv);
                     cache.write(l, c.slots, &k, &v);
+                    let prefix_of = |seq: u32| {
+                        c.prefixes
+                            .iter()
+                            .find(|(s, _)| *s == seq)
+                            .map_or(&[][..], |(_, p)| p.as_slice())
+                    };
                     let visible: Vec<Visible> = c
                         .visible
                         .iter()
-                        .map(|&(r, count)| Visible {
-                            row_slots: cache.row_slots(r),
+                        .map(|&(seq, r, count)| Visible {
+                            seq,
+                            prefix: prefix_of(seq),
+                            row_slots: cache.cells().row_slots(SeqId(seq), r),
                             count,
                         })
                         .collect();
@@ -535,9 +540,12 @@ impl Forward for Qwen3 {
     fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Logits> {
         let cfg = &self.cfg;
         let n = batch.len();
-        if batch.positions.len() != n || batch.rows.len() != n {
+        if batch.positions.len() != n
+            || batch.rows.len() != n
+            || !(batch.seqs.is_empty() || batch.seqs.len() == n)
+        {
             return Err(Error::msg(
-                "batch tokens, positions and rows differ in length",
+                "batch tokens, positions, rows and sequences differ in length",
             ));
         }
         let wanted = batch.logit_indices();
@@ -561,19 +569,27 @@ impl Forward for Qwen3 {
         }
         // Which private slots each token sees: its row's earlier entries and its own. Count
         // each row's entries before this batch's land.
-        let mut seen: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
-        for &r in &batch.rows {
-            seen.entry(r as usize)
-                .or_insert_with(|| cache.row_len(r as usize));
+        let mut seen: std::collections::HashMap<(u32, usize), usize> =
+            std::collections::HashMap::new();
+        let mut prefixes: Vec<(u32, Vec<Segment>)> = Vec::new();
+        for (i, &r) in batch.rows.iter().enumerate() {
+            let seq = batch.seq(i);
+            seen.entry((seq, r as usize))
+                .or_insert_with(|| cache.cells().row_slots(SeqId(seq), r as usize).len());
+            if !prefixes.iter().any(|(s, _)| *s == seq) {
+                prefixes.push((seq, cache.cells().segments(SeqId(seq))?));
+            }
         }
-        let slots = cache.allocate(&batch.rows, &batch.positions)?;
-        let visible: Vec<(usize, usize)> = batch
+        let slots = cache.allocate_for(&batch.seqs, &batch.rows, &batch.positions)?;
+        let visible: Vec<(u32, usize, usize)> = batch
             .rows
             .iter()
-            .map(|&r| {
-                let c = seen.entry(r as usize).or_default();
+            .enumerate()
+            .map(|(i, &r)| {
+                let seq = batch.seq(i);
+                let c = seen.entry((seq, r as usize)).or_default();
                 *c += 1;
-                (r as usize, *c)
+                (seq, r as usize, *c)
             })
             .collect();
 
@@ -582,6 +598,7 @@ impl Forward for Qwen3 {
             positions: &batch.positions[start..end],
             slots: &slots[start..end],
             visible: &visible[start..end],
+            prefixes: &prefixes,
             wanted,
         };
         let as_vec = |t: Option<Tensor>| -> Result<Vec<f32>> {

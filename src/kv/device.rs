@@ -1,0 +1,195 @@
+//! The K/V of the layers offloaded to an accelerator (`-ngl`): one `[n_kv_heads, capacity,
+//! head_dim]` tensor per layer for K and one for V, with the same slot numbering as the map.
+//! Writes are scatters, moves a gather and an in-place slice write: the shared prefix is never
+//! replicated per row here either.
+
+use candle_core::{DType, Device, Tensor};
+use half::f16;
+
+use super::cells::Move;
+use super::{CacheShape, CacheType, Kv};
+use crate::error::{Error, Result};
+
+/// The K and V tensors of one device-resident layer, `[n_kv_heads, capacity, head_dim]`.
+pub struct DeviceLayer {
+    pub k: Tensor,
+    pub v: Tensor,
+}
+
+impl DeviceLayer {
+    pub fn get(&self, kind: Kv) -> &Tensor {
+        match kind {
+            Kv::K => &self.k,
+            Kv::V => &self.v,
+        }
+    }
+}
+
+pub struct DeviceStore {
+    pub layers: Vec<DeviceLayer>,
+    n_kv_heads: usize,
+    head_dim: usize,
+    ty: CacheType,
+}
+
+impl DeviceStore {
+    /// The first `n` layers on `device`, zeroed.
+    pub fn new(
+        shape: &CacheShape,
+        ty: CacheType,
+        device: Option<(&Device, usize)>,
+    ) -> Result<DeviceStore> {
+        let mut layers = Vec::new();
+        if let Some((dev, n)) = device {
+            let dims = (shape.n_kv_heads, shape.capacity, shape.head_dim);
+            for l in 0..n.min(shape.n_layers) {
+                let zeros = || {
+                    Tensor::zeros(dims, ty.dtype(), dev).map_err(|e| {
+                        Error::msg(format!(
+                            "cannot allocate the KV cache of layer {l} on {:?}: {e}",
+                            dev.location()
+                        ))
+                    })
+                };
+                layers.push(DeviceLayer {
+                    k: zeros()?,
+                    v: zeros()?,
+                });
+            }
+        }
+        Ok(DeviceStore {
+            layers,
+            n_kv_heads: shape.n_kv_heads,
+            head_dim: shape.head_dim,
+            ty,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    /// Writes one layer's new entries; `k` and `v` are `[n, n_kv_heads, head_dim]` f32 on the
+    /// device; `index` is [`DeviceStore::index`] of their slots.
+    pub fn write(&self, layer: usize, index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+        let dl = &self.layers[layer];
+        for (dst, src) in [(&dl.k, k), (&dl.v, v)] {
+            let src = src
+                .transpose(0, 1)?
+                .to_dtype(self.ty.dtype())?
+                .contiguous()?;
+            dst.scatter_set(index, &src, 1)?;
+        }
+        Ok(())
+    }
+
+    /// The scatter index for [`DeviceStore::write`]: `slots` broadcast to
+    /// `[n_kv_heads, n, head_dim]` (built once per forward, used by every device layer).
+    pub fn index(&self, slots: &[usize], device: &Device) -> Result<Tensor> {
+        let (nkv, hd) = (self.n_kv_heads, self.head_dim);
+        let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+        Ok(Tensor::from_vec(ids, (1, slots.len(), 1), device)?
+            .broadcast_as((nkv, slots.len(), hd))?
+            .contiguous()?)
+    }
+
+    fn ids(&self, slots: &[usize]) -> Result<Tensor> {
+        let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+        Ok(Tensor::from_vec(
+            ids,
+            slots.len(),
+            self.layers[0].k.device(),
+        )?)
+    }
+
+    /// Carries out a move on every device layer: a gather (the staging copy) and an in-place
+    /// write.
+    pub fn apply(&self, m: &Move) -> Result<()> {
+        if m.src.is_empty() || self.layers.is_empty() || m.is_noop() {
+            return Ok(());
+        }
+        let ids = self.ids(&m.src)?;
+        for layer in &self.layers {
+            for t in [&layer.k, &layer.v] {
+                t.slice_set(&t.index_select(&ids, 1)?, 1, m.dst)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One entry as f32 (tests and tools).
+    pub fn entry(&self, layer: usize, kind: Kv, kv_head: usize, slot: usize) -> Result<Vec<f32>> {
+        Ok(self.layers[layer]
+            .get(kind)
+            .get(kv_head)?
+            .get(slot)?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?)
+    }
+
+    /// The K/V of the given slots of every layer, as little-endian bytes in file order (layer,
+    /// K then V, KV head, entry).
+    pub fn entries_le(&self, slots: &[usize]) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        if self.layers.is_empty() || slots.is_empty() {
+            return Ok(out);
+        }
+        let ids = self.ids(slots)?;
+        for layer in &self.layers {
+            for t in [&layer.k, &layer.v] {
+                let g = t.index_select(&ids, 1)?.flatten_all()?;
+                match self.ty {
+                    CacheType::F32 => {
+                        for x in g.to_vec1::<f32>()? {
+                            out.extend_from_slice(&x.to_le_bytes());
+                        }
+                    }
+                    CacheType::F16 => {
+                        for x in g.to_vec1::<f16>()? {
+                            out.extend_from_slice(&x.to_le_bytes());
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes `n` entries per (layer, kind) from little-endian bytes in file order to slots
+    /// `dst..dst + n`. Returns the bytes read.
+    pub fn load_le(&self, bytes: &[u8], n: usize, dst: usize) -> Result<usize> {
+        let (nkv, hd) = (self.n_kv_heads, self.head_dim);
+        let part = nkv * n * hd * self.ty.size();
+        if n == 0 {
+            return Ok(self.layers.len() * 2 * part);
+        }
+        for (l, layer) in self.layers.iter().enumerate() {
+            for (j, t) in [&layer.k, &layer.v].into_iter().enumerate() {
+                let start = (l * 2 + j) * part;
+                let b = &bytes[start..start + part];
+                let src = match self.ty {
+                    CacheType::F32 => {
+                        let v: Vec<f32> = b
+                            .chunks_exact(4)
+                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                            .collect();
+                        Tensor::from_vec(v, (nkv, n, hd), t.device())?
+                    }
+                    CacheType::F16 => {
+                        let v: Vec<f16> = b
+                            .chunks_exact(2)
+                            .map(|c| f16::from_le_bytes([c[0], c[1]]))
+                            .collect();
+                        Tensor::from_vec(v, (nkv, n, hd), t.device())?
+                    }
+                };
+                t.slice_set(&src, 1, dst)?;
+            }
+        }
+        Ok(self.layers.len() * 2 * part)
+    }
+}

@@ -1,0 +1,189 @@
+//! The K/V of the layers that run on the CPU: one preallocated memory map (anonymous, or a
+//! file with `--kv-file`), laid out `[layer, K|V, kv head, slot, head_dim]`, so that every
+//! (layer, kind, head) is one contiguous array over the slots that attention reads in place.
+
+use std::fs::OpenOptions;
+use std::path::Path;
+
+use half::f16;
+use memmap2::MmapMut;
+
+use super::cells::Move;
+use super::{CacheShape, CacheType, HeadView, Kv};
+use crate::error::{Error, Result};
+
+pub struct HostStore {
+    /// Layers held here (the last ones; the first `first_layer` live on the device).
+    n_layers: usize,
+    first_layer: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    capacity: usize,
+    ty: CacheType,
+    mmap: MmapMut,
+    /// Reused staging buffer for moves.
+    staging: Vec<u8>,
+}
+
+impl HostStore {
+    /// The map for layers `first_layer..shape.n_layers`, backed by `path` when given (created
+    /// or truncated to the size). Pages are only touched as entries are written.
+    pub fn new(
+        shape: &CacheShape,
+        first_layer: usize,
+        ty: CacheType,
+        path: Option<&Path>,
+    ) -> Result<HostStore> {
+        let n_layers = shape.n_layers - first_layer;
+        let bytes = (n_layers * 2 * shape.n_kv_heads * shape.head_dim * ty.size())
+            .checked_mul(shape.capacity)
+            .ok_or_else(|| Error::msg("KV cache size overflows"))?;
+        let mmap = match path {
+            None => MmapMut::map_anon(bytes.max(1)).map_err(|e| {
+                Error::msg(format!(
+                    "cannot reserve {bytes} bytes for the KV cache: {e}"
+                ))
+            })?,
+            Some(p) => {
+                let io = |e: std::io::Error| Error::msg(format!("{}: {e}", p.display()));
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .open(p)
+                    .map_err(io)?;
+                file.set_len(bytes as u64).map_err(io)?;
+                // SAFETY: the file was just created for this cache; nothing else maps it.
+                unsafe { MmapMut::map_mut(&file) }.map_err(io)?
+            }
+        };
+        Ok(HostStore {
+            n_layers,
+            first_layer,
+            n_kv_heads: shape.n_kv_heads,
+            head_dim: shape.head_dim,
+            capacity: shape.capacity,
+            ty,
+            mmap,
+            staging: Vec::new(),
+        })
+    }
+
+    /// (layer, kind, kv head) arrays held here.
+    pub fn heads(&self) -> usize {
+        self.n_layers * 2 * self.n_kv_heads
+    }
+
+    fn head_index(&self, layer: usize, kind: Kv, kv_head: usize) -> usize {
+        debug_assert!(
+            layer >= self.first_layer,
+            "layer {layer} lives on the device"
+        );
+        ((layer - self.first_layer) * 2 + kind as usize) * self.n_kv_heads + kv_head
+    }
+
+    /// Element offset of (head array, slot).
+    #[inline]
+    fn offset(&self, head: usize, slot: usize) -> usize {
+        (head * self.capacity + slot) * self.head_dim
+    }
+
+    fn entry_bytes(&self) -> usize {
+        self.head_dim * self.ty.size()
+    }
+
+    /// All slots of one layer's K (or V) for one KV head.
+    pub fn head(&self, layer: usize, kind: Kv, kv_head: usize) -> HeadView<'_> {
+        let start = self.offset(self.head_index(layer, kind, kv_head), 0);
+        let len = self.capacity * self.head_dim;
+        match self.ty {
+            CacheType::F32 => {
+                let all: &[f32] = bytemuck::cast_slice(&self.mmap[..]);
+                HeadView::F32(&all[start..start + len])
+            }
+            CacheType::F16 => {
+                let all: &[f16] = bytemuck::cast_slice(&self.mmap[..]);
+                HeadView::F16(&all[start..start + len])
+            }
+        }
+    }
+
+    /// Writes one layer's new entries: `k` and `v` hold, for each slot in `slots`,
+    /// `n_kv_heads * head_dim` values.
+    pub fn write(&mut self, layer: usize, slots: &[usize], k: &[f32], v: &[f32]) {
+        let (nkv, hd) = (self.n_kv_heads, self.head_dim);
+        for (kind, src) in [(Kv::K, k), (Kv::V, v)] {
+            for kvh in 0..nkv {
+                let h = self.head_index(layer, kind, kvh);
+                for (i, &slot) in slots.iter().enumerate() {
+                    let from = &src[(i * nkv + kvh) * hd..(i * nkv + kvh + 1) * hd];
+                    let off = self.offset(h, slot);
+                    match self.ty {
+                        CacheType::F32 => {
+                            let all: &mut [f32] = bytemuck::cast_slice_mut(&mut self.mmap[..]);
+                            all[off..off + hd].copy_from_slice(from);
+                        }
+                        CacheType::F16 => {
+                            let all: &mut [f16] = bytemuck::cast_slice_mut(&mut self.mmap[..]);
+                            for (d, &x) in all[off..off + hd].iter_mut().zip(from) {
+                                *d = f16::from_f32(x);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Carries out a move: every source is staged first (a destination may hold another
+    /// source), then written. Returns the entries that changed place.
+    pub fn apply(&mut self, m: &Move) -> usize {
+        let moved = m
+            .src
+            .iter()
+            .enumerate()
+            .filter(|&(i, &s)| s != m.dst + i)
+            .count();
+        if moved == 0 {
+            return 0;
+        }
+        let eb = self.entry_bytes();
+        let es = self.ty.size();
+        self.staging.clear();
+        self.staging.reserve(m.src.len() * self.heads() * eb);
+        for head in 0..self.heads() {
+            for &s in &m.src {
+                let off = self.offset(head, s) * es;
+                self.staging.extend_from_slice(&self.mmap[off..off + eb]);
+            }
+        }
+        for head in 0..self.heads() {
+            for k in 0..m.src.len() {
+                let off = self.offset(head, m.dst + k) * es;
+                let src = (head * m.src.len() + k) * eb;
+                self.mmap[off..off + eb].copy_from_slice(&self.staging[src..src + eb]);
+            }
+        }
+        moved
+    }
+
+    /// The bytes of entry `slot` of head array `head` (file order for saved prefixes).
+    pub fn entry_raw(&self, head: usize, slot: usize) -> &[u8] {
+        let off = self.offset(head, slot) * self.ty.size();
+        &self.mmap[off..off + self.entry_bytes()]
+    }
+
+    /// Writes the bytes of entry `slot` of head array `head`.
+    pub fn set_entry_raw(&mut self, head: usize, slot: usize, bytes: &[u8]) {
+        let off = self.offset(head, slot) * self.ty.size();
+        let eb = self.entry_bytes();
+        self.mmap[off..off + eb].copy_from_slice(bytes);
+    }
+
+    pub fn flush(&self) -> Result<()> {
+        self.mmap
+            .flush()
+            .map_err(|e| Error::msg(format!("flushing the KV cache: {e}")))
+    }
+}
