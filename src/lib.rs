@@ -13,6 +13,7 @@ pub mod kv;
 pub mod model;
 pub mod plan;
 pub mod runtime;
+pub mod sched;
 pub mod server;
 pub mod session;
 

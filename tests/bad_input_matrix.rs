@@ -139,8 +139,18 @@ fn setup() -> Env {
     with_metadata(&env.p("good.gguf"), &env.p("notemplate.gguf"), |m| {
         m.retain(|(k, _)| k != "tokenizer.chat_template")
     });
+    // No mask id, and no <|mask|> in the vocabulary to take it from: not a ReFusion model.
     with_metadata(&env.p("good.gguf"), &env.p("nomask.gguf"), |m| {
-        m.retain(|(k, _)| k != "tokenizer.ggml.mask_token_id")
+        m.retain(|(k, _)| k != "tokenizer.ggml.mask_token_id");
+        if let Some((_, Value::Array(_, tokens))) =
+            m.iter_mut().find(|(k, _)| k == "tokenizer.ggml.tokens")
+        {
+            for t in tokens.iter_mut() {
+                if matches!(t, Value::String(s) if s == "<|mask|>") {
+                    *t = Value::String("<|unmask|>".into());
+                }
+            }
+        }
     });
     with_metadata(&env.p("good.gguf"), &env.p("smallvocab.gguf"), |m| {
         m.iter_mut()
@@ -314,7 +324,10 @@ fn every_command_refuses_bad_input_cleanly() {
             &["--prompt-ids", "5", "-n", "4096", "-c", "1024"],
         ),
         gen("good.gguf", &["--prompt-ids", "5", "--temp", "nan"]),
-        gen("nomask.gguf", &["--prompt-ids", "5"]),
+        case(
+            &["generate", "-m", &e.s("nomask.gguf"), "--prompt-ids", "5"],
+            &["no mask token", "<|mask|>"],
+        ),
         gen("smallvocab.gguf", &["--prompt-ids", "5"]),
         gen("cut.gguf", &["--prompt-ids", "5"]),
         gen("good.gguf", &["--prompt-ids", "5", "--device", "quantum"]),

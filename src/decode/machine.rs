@@ -11,7 +11,7 @@
 use super::{argmax, prob, DecodeParams, DecodeResult, Event, Noise};
 use crate::error::{Error, Result};
 use crate::kv::SeqCache;
-use crate::model::{Batch, Logits, LogitsFor};
+use crate::model::{Batch, LogitsFor, LogitsRef};
 
 /// What the decoder needs next.
 pub enum Poll<'a> {
@@ -150,7 +150,7 @@ impl Decoder {
     /// The logits of the batch [`Decoder::poll`] asked for.
     pub fn feed(
         &mut self,
-        logits: &Logits,
+        logits: &LogitsRef<'_>,
         cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
@@ -209,7 +209,7 @@ impl Decoder {
 
     fn after_plan(
         &mut self,
-        logits: &Logits,
+        logits: &LogitsRef<'_>,
         cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
@@ -264,7 +264,7 @@ impl Decoder {
     fn after_verify(
         &mut self,
         pl: Planned,
-        ver: &Logits,
+        ver: &LogitsRef<'_>,
         cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
@@ -369,7 +369,7 @@ impl Decoder {
     fn after_draft(
         &mut self,
         mut inf: Infill,
-        dl: &Logits,
+        dl: &LogitsRef<'_>,
         cache: &mut SeqCache<'_>,
     ) -> Result<()> {
         let width = self.k - inf.a;
@@ -388,7 +388,7 @@ impl Decoder {
     fn after_recheck(
         &mut self,
         mut inf: Infill,
-        vl: &Logits,
+        vl: &LogitsRef<'_>,
         cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {

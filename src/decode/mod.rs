@@ -172,7 +172,7 @@ pub fn generate_cancellable<M: Forward + ?Sized>(
             Poll::Done => break,
             Poll::Forward(batch) => model.forward(batch, cache)?,
         };
-        dec.feed(&logits, &mut cache.seq(SeqId::DEFAULT), on_event)?;
+        dec.feed(&logits.view(), &mut cache.seq(SeqId::DEFAULT), on_event)?;
     }
     Ok(dec.result())
 }

@@ -193,6 +193,11 @@ impl KvCache {
         &self.cells
     }
 
+    /// The slot bookkeeping, for what holds regions besides sequences (cached prompts).
+    pub(crate) fn cells_mut(&mut self) -> &mut Cells {
+        &mut self.cells
+    }
+
     /// A new sequence with `reserve` slots of its own, its prefix starting with `borrow`
     /// ([`Cells::prefix_segments`] of another). `None` when no free range is that long.
     pub fn add_seq(&mut self, reserve: usize, borrow: &[(Segment, usize)]) -> Option<SeqId> {

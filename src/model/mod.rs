@@ -100,7 +100,28 @@ pub struct Logits {
     pub data: Vec<f32>,
 }
 
+/// Logits borrowed: rows of a [`Logits`] (one decoder's part of a merged forward).
+#[derive(Debug, Clone, Copy)]
+pub struct LogitsRef<'a> {
+    pub vocab: usize,
+    pub data: &'a [f32],
+}
+
+impl LogitsRef<'_> {
+    /// Logits of the `i`-th token asked for.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
+
 impl Logits {
+    pub fn view(&self) -> LogitsRef<'_> {
+        LogitsRef {
+            vocab: self.vocab,
+            data: &self.data,
+        }
+    }
+
     pub fn n(&self) -> usize {
         self.data.len().checked_div(self.vocab).unwrap_or(0)
     }

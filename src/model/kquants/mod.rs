@@ -1156,4 +1156,45 @@ mod tests {
         assert_eq!(oa, sa);
         assert_eq!(ob, sb);
     }
+
+    /// Batch invariance: a token's output is the same to the bit whether it is multiplied alone
+    /// or as row `t` of a batch of any size (so a request's answer cannot depend on what else
+    /// is in the forward), on every path the CPU runs.
+    #[test]
+    fn a_tokens_product_does_not_depend_on_the_batch() {
+        if !available() {
+            return;
+        }
+        let (rows, k) = (40, 512);
+        for ty in TYPES {
+            let mut seed = 5u64;
+            let wf: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
+            let mut data = vec![0u8; rows * k / QK * block_bytes(ty)];
+            quant::quantize(ty, &wf, k, &mut data);
+            let w = PackedMatrix::pack(ty, rows, k, &data);
+            let x: Vec<f32> = (0..17 * k).map(|_| lcg(&mut seed) * 2.0).collect();
+            for path in paths() {
+                let alone: Vec<Vec<f32>> = (0..17)
+                    .map(|t| {
+                        let mut o = vec![0f32; rows];
+                        matmul_on(path, &[&w], &x[t * k..(t + 1) * k], 1, &mut [&mut o[..]]);
+                        o
+                    })
+                    .collect();
+                for m in 1..=17 {
+                    let mut o = vec![0f32; m * rows];
+                    matmul_on(path, &[&w], &x[..m * k], m, &mut [&mut o[..]]);
+                    for (t, want) in alone.iter().enumerate().take(m) {
+                        let got = &o[t * rows..(t + 1) * rows];
+                        assert!(
+                            got.iter()
+                                .zip(want)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{path:?} {ty}: token {t} in a batch of {m} differs from alone"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }

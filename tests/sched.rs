@@ -1,0 +1,315 @@
+//! Many requests at once through the scheduler: every golden case exact whatever runs beside
+//! it (interleavings and batch limits 1, 2, 4, 8), a request's tokens independent of its
+//! neighbours and of what was cached before it on quantized files, prompts shared and held
+//! once, cancellation leaving the others exact.
+
+mod common;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use common::*;
+use refusion::convert::gguf::GgufFile;
+use refusion::decode::{generate, DecodeParams, DecodeResult};
+use refusion::error::Error;
+use refusion::kv::CacheType;
+use refusion::model::Qwen3;
+use refusion::sched::{Request, Scheduler, Update};
+use serde_json::Value;
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn params(case: &Value) -> DecodeParams {
+    DecodeParams {
+        gen_length: case["gen_length"].as_u64().unwrap() as u32,
+        slot_size: case["slot_size"].as_u64().unwrap() as u32,
+        serial_blocks: case["serial_num_blocks"].as_u64().unwrap() as u32,
+        slot_threshold: case["slot_threshold"].as_f64().unwrap() as f32,
+        token_threshold: case["token_threshold"].as_f64().unwrap() as f32,
+        temperature: case["temperature"].as_f64().unwrap(),
+        seed: 0,
+        eos_id: case["eos_id"].as_u64().unwrap() as u32,
+        mask_id: case["mask_id"].as_u64().unwrap() as u32,
+        reference_eos_bug: false,
+    }
+}
+
+fn load(dir: &std::path::Path, out: &std::path::Path, outtype: &str) -> Qwen3 {
+    convert_quiet(dir, out, outtype);
+    Qwen3::load_offloaded(Arc::new(GgufFile::open(out).unwrap()), None).unwrap()
+}
+
+/// A deterministic shuffle (xorshift).
+fn shuffle<T>(v: &mut [T], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+}
+
+type Results = RefCell<HashMap<usize, Result<DecodeResult, String>>>;
+
+fn request<'a>(
+    i: usize,
+    prompt: Vec<u32>,
+    params: DecodeParams,
+    results: &'a Results,
+    cancel: Arc<AtomicBool>,
+) -> Request<'a> {
+    Request {
+        prompt,
+        params,
+        cancel,
+        sink: Box::new(move |u| {
+            if let Update::Finished(r) = u {
+                results
+                    .borrow_mut()
+                    .insert(i, r.map_err(|e: Error| e.to_string()));
+            }
+        }),
+    }
+}
+
+#[test]
+fn every_golden_case_is_exact_through_the_scheduler() {
+    let text = std::fs::read_to_string(fixtures().join("goldens_public.json")).unwrap();
+    let goldens: Value = serde_json::from_str(&text).unwrap();
+    let cases = goldens["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 111);
+    let tmp = tempfile::tempdir().unwrap();
+    let mut failures = Vec::new();
+    for name in ["pub-a", "pub-b", "pub-c"] {
+        let model = load(
+            &fixture_model(name),
+            &tmp.path().join(format!("{name}.gguf")),
+            "f32",
+        );
+        let mine: Vec<&Value> = cases.iter().filter(|c| c["model"] == name).collect();
+        let need = mine
+            .iter()
+            .map(|c| {
+                let p = params(c);
+                let gen = p.padded_gen_length() as usize;
+                c["prompt_ids"].as_array().unwrap().len() + gen + gen / p.serial_blocks as usize
+            })
+            .max()
+            .unwrap();
+        for (round, parallel) in [1usize, 2, 4, 8].into_iter().enumerate() {
+            let results: Results = RefCell::new(HashMap::new());
+            let cache = model
+                .new_cache(parallel * need, CacheType::F32, None)
+                .unwrap();
+            let mut s = Scheduler::new(&model, cache, parallel);
+            let mut order: Vec<usize> = (0..mine.len()).collect();
+            shuffle(&mut order, round as u64 + 7);
+            for &i in &order {
+                let c = mine[i];
+                s.submit(request(
+                    i,
+                    ids(&c["prompt_ids"]),
+                    params(c),
+                    &results,
+                    Arc::new(AtomicBool::new(false)),
+                ));
+            }
+            s.run_to_end();
+            let stats = s.stats();
+            if parallel > 1 {
+                assert!(
+                    stats.forwards < mine.iter().map(|c| c["n_forward"].as_u64().unwrap()).sum(),
+                    "{name} -np {parallel}: forwards were merged"
+                );
+            }
+            for (i, c) in mine.iter().enumerate() {
+                let id = c["id"].as_str().unwrap();
+                let r = results.borrow_mut().remove(&i).expect("answered").unwrap();
+                let (want, tpf) = (ids(&c["tokens"]), c["tpf"].as_f64().unwrap());
+                let calls = c["n_forward"].as_u64().unwrap();
+                if r.tokens != want || (r.tpf - tpf).abs() > 1e-6 || r.forward_calls as u64 != calls
+                {
+                    failures.push(format!(
+                        "-np {parallel} {id}: tokens {:?} tpf {} calls {} (want {want:?} {tpf} {calls})",
+                        r.tokens, r.tpf, r.forward_calls
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Prompts from the trained tiny model's chat template: a shared system prompt, several
+/// questions, some asked twice (prefix reuse of a whole prompt).
+fn chat_prompts(model: &Qwen3, dir: &std::path::Path, n: usize) -> Vec<Vec<u32>> {
+    let file = GgufFile::open(dir).unwrap();
+    let tok = refusion::chat::Tokenizer::from_gguf(&file.header).unwrap();
+    let questions = [
+        "What is 47 + 38?",
+        "What is 12 + 9?",
+        "Reverse the list [3, 1, 2].",
+        "What is the largest number in [4, 9, 2]?",
+        "Write a Python function `total` that returns the sum of a list.",
+        "Tom has 5 apples and buys 7 more. How many apples does he have?",
+        "What is 66 + 27?",
+    ];
+    let _ = model;
+    (0..n)
+        .map(|i| {
+            let q = questions[i % questions.len()];
+            let text = if i % 3 == 0 {
+                format!("<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
+            } else {
+                format!(
+                    "<|im_start|>system\nYou are a careful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+                )
+            };
+            tok.encode(&text).unwrap()
+        })
+        .collect()
+}
+
+fn tiny_params(file: &GgufFile) -> DecodeParams {
+    let tok = refusion::chat::Tokenizer::from_gguf(&file.header).unwrap();
+    let mut p = DecodeParams::new(
+        refusion::convert::DecodingDefaults::default(),
+        tok.eos_id.unwrap(),
+        tok.mask_id.unwrap(),
+    );
+    p.gen_length = 64;
+    p.serial_blocks = 4;
+    p
+}
+
+#[test]
+fn a_requests_tokens_do_not_depend_on_its_neighbours_or_the_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tiny = fixtures().join("../../models/refusion-tiny");
+    for outtype in ["q4_k_m", "q8_0"] {
+        let path = tmp.path().join(format!("tiny-{outtype}.gguf"));
+        let model = load(&tiny, &path, outtype);
+        let file = GgufFile::open(&path).unwrap();
+        let p = tiny_params(&file);
+        let prompts = chat_prompts(&model, &path, 50);
+        // Alone, each on a fresh cache.
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|prompt| {
+                let mut cache = model.new_cache(512, CacheType::F32, None).unwrap();
+                generate(&model, &mut cache, prompt, &p, &mut |_| {})
+                    .unwrap()
+                    .tokens
+            })
+            .collect();
+        // Together, in shuffled orders, batch limits, and warm or cold prefix caches.
+        let mut diffs = Vec::new();
+        for (round, parallel) in [3usize, 8, 5].into_iter().enumerate() {
+            let results: Results = RefCell::new(HashMap::new());
+            let cache = model.new_cache(8 * 256, CacheType::F32, None).unwrap();
+            let mut s = Scheduler::new(&model, cache, parallel);
+            for pass in 0..2 {
+                let mut order: Vec<usize> = (0..prompts.len()).collect();
+                shuffle(&mut order, (round * 2 + pass) as u64 + 1);
+                for &i in &order {
+                    s.submit(request(
+                        i,
+                        prompts[i].clone(),
+                        p.clone(),
+                        &results,
+                        Arc::new(AtomicBool::new(false)),
+                    ));
+                }
+                s.run_to_end();
+                let st = s.stats();
+                assert!(st.prompt_tokens_reused > 0, "prompts were shared");
+                for (i, want) in alone.iter().enumerate() {
+                    let r = results.borrow_mut().remove(&i).unwrap().unwrap();
+                    if &r.tokens != want {
+                        diffs.push(format!("{outtype} -np {parallel} pass {pass}: request {i}"));
+                    }
+                }
+                if pass == 0 && round == 1 {
+                    s.clear_prefixes();
+                }
+            }
+        }
+        assert!(
+            diffs.is_empty(),
+            "{} differ:\n{}",
+            diffs.len(),
+            diffs.join("\n")
+        );
+    }
+}
+
+#[test]
+fn a_common_prompt_is_held_once_and_a_cancelled_neighbour_leaves_the_other_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tiny = fixtures().join("../../models/refusion-tiny");
+    let path = tmp.path().join("tiny-q8_0.gguf");
+    let model = load(&tiny, &path, "q8_0");
+    let file = GgufFile::open(&path).unwrap();
+    let mut p = tiny_params(&file);
+    p.gen_length = 128;
+    p.serial_blocks = 32;
+    let prompt = chat_prompts(&model, &path, 2)[1].clone();
+    let alone = {
+        let mut cache = model.new_cache(1024, CacheType::F32, None).unwrap();
+        generate(&model, &mut cache, &prompt, &p, &mut |_| {}).unwrap()
+    };
+    let results: Results = RefCell::new(HashMap::new());
+    let cache = model.new_cache(2048, CacheType::F32, None).unwrap();
+    let mut s = Scheduler::new(&model, cache, 2);
+    let cancel = Arc::new(AtomicBool::new(false));
+    s.submit(request(
+        0,
+        prompt.clone(),
+        p.clone(),
+        &results,
+        Arc::new(AtomicBool::new(false)),
+    ));
+    // The first step runs request 0's prompt; request 1, the same prompt, arrives after it.
+    s.step();
+    s.submit(request(
+        1,
+        prompt.clone(),
+        p.clone(),
+        &results,
+        cancel.clone(),
+    ));
+    s.step();
+    let gen = p.padded_gen_length() as usize;
+    let block = gen / p.serial_blocks as usize;
+    // Request 0 holds its prompt and answer room; request 1 only its answer room.
+    assert_eq!(
+        s.cache().cells().used_slots(),
+        prompt.len() + 2 * (gen + block)
+    );
+    assert_eq!(s.stats().prompt_tokens_reused, prompt.len() as u64);
+    for _ in 0..3 {
+        s.step();
+    }
+    cancel.store(true, Ordering::SeqCst);
+    s.run_to_end();
+    let r0 = results.borrow_mut().remove(&0).unwrap().unwrap();
+    assert_eq!(r0.tokens, alone.tokens);
+    assert_eq!(r0.forward_calls, alone.forward_calls);
+    assert_eq!(
+        results.borrow_mut().remove(&1).unwrap().unwrap_err(),
+        "cancelled"
+    );
+    // Everything is freed but the cached prompt.
+    assert_eq!(s.cache().cells().used_slots(), prompt.len());
+    s.clear_prefixes();
+    assert_eq!(s.cache().cells().used_slots(), 0);
+}
