@@ -126,6 +126,7 @@ pub fn server_request(data: &[u8]) {
     let limits = Limits {
         base: DecodeParams::new(defaults, 1, 2),
         max_gen_length: 4096,
+        parallel: 1,
     };
     if let Ok(r) = parse::<ChatRequest>(data) {
         for m in &r.messages {

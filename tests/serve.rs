@@ -78,7 +78,7 @@ fn load_busy_and_auth() {
     let server = Server::start(&model, &[]);
     server.client("load");
     drop(server);
-    let server = Server::start(&model, &["--queue", "1"]);
+    let server = Server::start(&model, &["--queue", "1", "--parallel", "1"]);
     server.client("busy");
     drop(server);
     let server = Server::start(&model, &["--api-key", "sekrit"]);

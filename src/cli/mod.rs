@@ -79,6 +79,7 @@ fn llama_cpp_flag(arg: std::ffi::OsString) -> std::ffi::OsString {
     for (short, long) in [
         ("-ngl", "--n-gpu-layers"),
         ("-hf", "--hf-repo"),
+        ("-np", "--parallel"),
         ("-hfr", "--hf-repo"),
         ("-ub", "--ubatch-size"),
         ("-sys", "--system"),

@@ -30,6 +30,10 @@ pub struct ServeArgs {
     /// Requests that may wait for the model; more get HTTP 503.
     #[arg(long, default_value_t = 16)]
     queue: usize,
+    /// Requests decoded together, as rows of one forward (continuous batching; llama-server's
+    /// -np). Each holds its prompt, answer and a block of scratch in the KV cache (-c).
+    #[arg(long = "parallel", default_value_t = 4, value_name = "N")]
+    parallel: usize,
     /// Largest request body accepted (HTTP 413 beyond).
     #[arg(long, default_value_t = 1 << 20)]
     max_body_bytes: usize,
@@ -110,6 +114,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.queue == 0 {
         anyhow::bail!("--queue must be at least 1");
     }
+    if !(1..=256).contains(&a.parallel) {
+        anyhow::bail!("--parallel must be between 1 and 256, got {}", a.parallel);
+    }
     check_access(a.host, a.api_key.as_deref())?;
     if !(1..=65_536).contains(&a.max_connections) {
         anyhow::bail!(
@@ -139,6 +146,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let limits = Limits {
         base,
         max_gen_length: a.max_gen_length.max(1),
+        parallel: a.parallel,
     };
     let cfg = ServerConfig {
         host: a.host,

@@ -36,7 +36,7 @@ use self::api::{parse_with_knobs, ApiError, ChatRequest, CompletionRequest, Prom
 use self::body::{discard_body, read_body, BodyLimits};
 pub use self::conn::ConnLimits;
 use self::signals::Signals;
-use self::worker::{Job, JobInput, Limits, Msg, Shutdown};
+use self::worker::{Job, JobInput, Limits, Load, Msg, Shutdown};
 use crate::chat::Message;
 use crate::error::{Error, Result};
 use crate::runtime::Loaded;
@@ -66,6 +66,9 @@ struct AppState {
     vocab: usize,
     /// llama-server's `/props`.
     props: serde_json::Value,
+    /// The scheduler's counters, as of its last step.
+    load: Load,
+    parallel: usize,
 }
 
 /// Sets the job's cancel flag when dropped: the response (or its stream) went away.
@@ -150,42 +153,48 @@ fn method_not_allowed(
     }
 }
 
-/// Queues a job and waits until it starts (or fails before producing anything).
-async fn submit(
+/// Queues a job (a full queue is a 503).
+fn enqueue(
     state: &AppState,
     input: JobInput,
     knobs: api::Knobs,
-) -> Result<(UnboundedReceiver<Msg>, CancelOnDrop, usize), ApiError> {
-    let (tx, mut rx) = unbounded_channel();
+) -> Result<(UnboundedReceiver<Msg>, CancelOnDrop), ApiError> {
+    let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let guard = CancelOnDrop(cancel.clone());
-    match state.jobs.try_send(Job {
+    // Counted before it is sent: the worker counts it down when it takes it.
+    state.load.queued.fetch_add(1, Ordering::SeqCst);
+    let sent = state.jobs.try_send(Job {
         input,
         knobs,
         cancel,
         tx,
-    }) {
-        Ok(()) => {}
-        Err(TrySendError::Full(_)) => {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server_busy",
-                format!(
-                    "the server is busy ({} requests queued); retry later",
-                    state.queue
-                ),
-            ))
-        }
-        Err(TrySendError::Disconnected(_)) => {
-            return Err(ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
-                "the model worker stopped",
-            ))
-        }
+    });
+    if sent.is_err() {
+        state.load.queued.fetch_sub(1, Ordering::SeqCst);
     }
+    match sent {
+        Ok(()) => Ok((rx, guard)),
+        Err(TrySendError::Full(_)) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_busy",
+            format!(
+                "the server is busy ({} requests queued); retry later",
+                state.queue
+            ),
+        )),
+        Err(TrySendError::Disconnected(_)) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "the model worker stopped",
+        )),
+    }
+}
+
+/// Waits until a queued job starts (or fails before producing anything).
+async fn started(rx: &mut UnboundedReceiver<Msg>) -> Result<usize, ApiError> {
     match rx.recv().await {
-        Some(Msg::Started { prompt_tokens }) => Ok((rx, guard, prompt_tokens)),
+        Some(Msg::Started { prompt_tokens }) => Ok(prompt_tokens),
         Some(Msg::Error(e)) => Err(e),
         _ => Err(ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -193,6 +202,17 @@ async fn submit(
             "generation ended early",
         )),
     }
+}
+
+/// Queues a job and waits until it starts (or fails before producing anything).
+async fn submit(
+    state: &AppState,
+    input: JobInput,
+    knobs: api::Knobs,
+) -> Result<(UnboundedReceiver<Msg>, CancelOnDrop, usize), ApiError> {
+    let (mut rx, guard) = enqueue(state, input, knobs)?;
+    let prompt_tokens = started(&mut rx).await?;
+    Ok((rx, guard, prompt_tokens))
 }
 
 /// Collects a non-streamed answer.
@@ -349,60 +369,90 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
 
 async fn completions_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_with_knobs(&body)?;
-    let one =
-        || ApiError::bad_request("exactly one prompt per request is supported").param("prompt");
-    let input = match req.prompt {
-        PromptField::One(s) => JobInput::Text(s),
-        PromptField::Many(v) if v.len() == 1 => {
-            JobInput::Text(v.into_iter().next().unwrap_or_default())
-        }
-        PromptField::Tokens(ids) => JobInput::Tokens(ids),
-        PromptField::TokenLists(v) if v.len() == 1 => {
-            JobInput::Tokens(v.into_iter().next().unwrap_or_default())
-        }
-        PromptField::Many(_) | PromptField::TokenLists(_) => return Err(one()),
+    // OpenAI's prompt: a string, token ids, or a list of either (one choice each, in order).
+    let inputs: Vec<JobInput> = match req.prompt {
+        PromptField::One(s) => vec![JobInput::Text(s)],
+        PromptField::Many(v) => v.into_iter().map(JobInput::Text).collect(),
+        PromptField::Tokens(ids) => vec![JobInput::Tokens(ids)],
+        PromptField::TokenLists(v) => v.into_iter().map(JobInput::Tokens).collect(),
     };
+    if inputs.is_empty() {
+        return Err(ApiError::bad_request("prompt must not be an empty list").param("prompt"));
+    }
+    if inputs.len() > state.queue {
+        return Err(ApiError::bad_request(format!(
+            "at most {} prompts per request (the queue's size), got {}",
+            state.queue,
+            inputs.len()
+        ))
+        .param("prompt"));
+    }
     let stream = req.knobs.stream;
     let include_usage = req
         .knobs
         .stream_options
         .as_ref()
         .is_some_and(|o| o.include_usage);
-    let (rx, guard, _) = submit(state, input, req.knobs).await?;
+    // All queued first (they decode together), then each waited for.
+    let mut queued = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        queued.push(enqueue(state, input, req.knobs.clone())?);
+    }
+    let mut streams = Vec::with_capacity(queued.len());
+    for (mut rx, guard) in queued {
+        started(&mut rx).await?;
+        streams.push((rx, guard));
+    }
     let id = format!("cmpl-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
     let created = now();
     let model = state.model.clone();
     if !stream {
-        let (text, finish_reason, p, c) = collect(rx).await?;
-        drop(guard);
+        let (mut choices, mut p, mut c) = (Vec::new(), 0, 0);
+        for (index, (rx, guard)) in streams.into_iter().enumerate() {
+            let (text, finish_reason, pt, ct) = collect(rx).await?;
+            drop(guard);
+            choices.push(json!({"index": index, "text": text, "finish_reason": finish_reason, "logprobs": null}));
+            (p, c) = (p + pt, c + ct);
+        }
         return Ok(Json(json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null}],
+            "choices": choices,
             "usage": usage(p, c),
         }))
         .into_response());
     }
-    let chunk = move |text: &str, finish: Option<&str>| {
+    let n = streams.len();
+    let chunk = move |index: usize, text: &str, finish: Option<&str>| {
         json!({"id": id, "object": "text_completion", "created": created, "model": model,
-               "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": null}]})
-        .to_string()
+               "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": null}]})
     };
+    let mut merged = tokio_stream::StreamMap::new();
+    let mut guards = Vec::with_capacity(n);
+    for (index, (rx, guard)) in streams.into_iter().enumerate() {
+        merged.insert(index, UnboundedReceiverStream::new(rx));
+        guards.push(guard);
+    }
     let mut tail = UsageTail::new(include_usage);
-    let events = UnboundedReceiverStream::new(rx).filter_map(move |msg| {
-        let _keep = &guard;
+    let (mut ended, mut p, mut c) = (0, 0, 0);
+    let events = merged.filter_map(move |(index, msg)| {
+        let _keep = &guards;
         match msg {
-            Msg::Delta(d) => Some(SseEvent::default().data(chunk(&d, None))),
+            Msg::Delta(d) => Some(SseEvent::default().data(chunk(index, &d, None).to_string())),
             Msg::Done {
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
             } => {
-                let text = chunk("", Some(finish_reason));
-                let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-                tail.done(&v, prompt_tokens, completion_tokens);
-                Some(SseEvent::default().data(text))
+                let v = chunk(index, "", Some(finish_reason));
+                (p, c) = (p + prompt_tokens, c + completion_tokens);
+                tail.done(&v, p, c);
+                Some(SseEvent::default().data(v.to_string()))
             }
-            Msg::End => tail.end(),
+            // The stream's end (the usage chunk or [DONE]) once every prompt's has ended.
+            Msg::End => {
+                ended += 1;
+                (ended == n).then(|| tail.end()).flatten()
+            }
             Msg::Error(e) => Some(SseEvent::default().data(e.body().to_string())),
             Msg::Started { .. } => None,
         }
@@ -418,8 +468,120 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-async fn health() -> Response {
-    Json(json!({"status": "ok"})).into_response()
+/// llama-server's `/health`, with the load: requests decoding, waiting, and the slots free.
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let st = state.load.stats();
+    let queued = state.load.queued.load(Ordering::SeqCst);
+    Json(json!({
+        "status": "ok",
+        "slots_processing": st.running,
+        "slots_idle": state.parallel.saturating_sub(st.running),
+        "requests_waiting": st.waiting + queued,
+    }))
+    .into_response()
+}
+
+/// Prometheus' text format: requests, tokens, the queue, the batch, the KV cache.
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let st = state.load.stats();
+    let queued = state.load.queued.load(Ordering::SeqCst);
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, value: String| {
+        out.push_str(&format!(
+            "# HELP refusion_{name} {help}\n# TYPE refusion_{name} {kind}\nrefusion_{name} {value}\n"
+        ));
+    };
+    metric(
+        "requests_finished_total",
+        "counter",
+        "Requests answered in full.",
+        st.requests_finished.to_string(),
+    );
+    metric(
+        "requests_cancelled_total",
+        "counter",
+        "Requests cancelled (client gone, stop string, shutdown).",
+        st.requests_cancelled.to_string(),
+    );
+    metric(
+        "requests_failed_total",
+        "counter",
+        "Requests that failed after being queued.",
+        st.requests_failed.to_string(),
+    );
+    metric(
+        "tokens_generated_total",
+        "counter",
+        "Answer tokens generated.",
+        st.tokens_generated.to_string(),
+    );
+    metric(
+        "prompt_tokens_total",
+        "counter",
+        "Prompt tokens of admitted requests.",
+        st.prompt_tokens.to_string(),
+    );
+    metric(
+        "prompt_tokens_cached_total",
+        "counter",
+        "Prompt tokens taken from cached prompts.",
+        st.prompt_tokens_reused.to_string(),
+    );
+    metric(
+        "forwards_total",
+        "counter",
+        "Forward calls (each serving every running request).",
+        st.forwards.to_string(),
+    );
+    metric(
+        "forward_tokens_total",
+        "counter",
+        "Tokens fed through the model.",
+        st.forward_tokens.to_string(),
+    );
+    metric(
+        "requests_running",
+        "gauge",
+        "Requests decoding now.",
+        st.running.to_string(),
+    );
+    metric(
+        "requests_waiting",
+        "gauge",
+        "Requests waiting for room in the scheduler or the queue.",
+        (st.waiting + queued).to_string(),
+    );
+    metric(
+        "batch_tokens",
+        "gauge",
+        "Tokens in the last forward.",
+        st.last_batch_tokens.to_string(),
+    );
+    metric(
+        "batch_requests",
+        "gauge",
+        "Requests served by the last forward.",
+        st.last_batch_requests.to_string(),
+    );
+    metric(
+        "kv_entries_used",
+        "gauge",
+        "KV cache entries in use (sequences and cached prompts).",
+        st.kv_used.to_string(),
+    );
+    metric(
+        "kv_entries",
+        "gauge",
+        "KV cache entries in all.",
+        st.kv_capacity.to_string(),
+    );
+    metric(
+        "cached_prompts",
+        "gauge",
+        "Prompts kept for reuse.",
+        st.cached_prompts.to_string(),
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 
 async fn not_found() -> Response {
@@ -484,9 +646,12 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
     let shutdown = Arc::new(Shutdown::default());
     let (jobs_tx, jobs_rx) = sync_channel::<Job>(cfg.queue);
     let worker_shutdown = shutdown.clone();
+    let load = Load::default();
+    let worker_load = load.clone();
+    let parallel = limits.parallel;
     let worker = std::thread::Builder::new()
         .name("refusion-worker".into())
-        .spawn(move || worker::run(loaded, limits, jobs_rx, &worker_shutdown))
+        .spawn(move || worker::run(loaded, limits, jobs_rx, &worker_shutdown, &worker_load))
         .map_err(|e| Error::msg(format!("cannot start the worker: {e}")))?;
     let body = BodyLimits {
         max_bytes: cfg.max_body_bytes,
@@ -503,6 +668,8 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
         tokenizer,
         vocab,
         props,
+        load,
+        parallel,
     });
     eprintln!(
         "refusion serve: listening on http://{local} (model '{}')",
@@ -549,7 +716,7 @@ fn props(loaded: &Loaded, limits: &Limits) -> serde_json::Value {
                 "slot_threshold": b.slot_threshold, "token_threshold": b.token_threshold,
             },
         },
-        "total_slots": 1,
+        "total_slots": limits.parallel,
         "model_path": loaded.file.path.display().to_string(),
         "chat_template": template,
         "modalities": {"vision": false, "audio": false},
@@ -608,6 +775,10 @@ fn router(state: AppState) -> Router {
         .route(
             "/health",
             get(health).fallback(method_not_allowed("GET, HEAD")),
+        )
+        .route(
+            "/metrics",
+            get(metrics).fallback(method_not_allowed("GET, HEAD")),
         )
         .route(
             "/v1/models",

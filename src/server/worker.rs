@@ -1,8 +1,8 @@
-//! The generation worker: one thread owns the model and a chat session (so consecutive requests
-//! reuse the cached prefix) and runs queued jobs one at a time.
+//! The generation worker: one thread owns the model and the scheduler, which decodes up to
+//! `--parallel` requests together (continuous batching) and shares their prompts' entries.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
 
 use axum::http::StatusCode;
@@ -11,9 +11,9 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::api::{ApiError, Knobs};
 use crate::chat::{ChatTemplate, Message, TextStream};
 use crate::decode::{DecodeParams, Event};
-use crate::error::Error;
+use crate::error::{Error, RequestError};
 use crate::runtime::Loaded;
-use crate::session::Session;
+use crate::sched::{Request, Scheduler, Stats, Update};
 
 pub enum JobInput {
     Chat(Vec<Message>),
@@ -45,24 +45,24 @@ pub enum Msg {
     Error(ApiError),
 }
 
-/// Shutdown as the worker sees it: once requested, the generation in progress is cancelled and
-/// every job still queued is answered 503.
+/// Shutdown as the worker sees it: once requested, the generations in progress are cancelled
+/// and every job still queued is answered 503.
 #[derive(Default)]
 pub struct Shutdown {
     requested: AtomicBool,
-    /// The cancel flag of the job being generated.
-    current: Mutex<Option<Arc<AtomicBool>>>,
+    /// The cancel flags of the jobs the scheduler holds.
+    current: Mutex<Vec<Arc<AtomicBool>>>,
 }
 
 impl Shutdown {
-    /// Starts shutting down; true when a generation was in progress (it is cancelled).
+    /// Starts shutting down; true when generations were in progress (they are cancelled).
     pub fn request(&self) -> bool {
         self.requested.store(true, Ordering::SeqCst);
-        let current = self.slot().take();
-        if let Some(cancel) = &current {
+        let current = std::mem::take(&mut *self.slot());
+        for cancel in &current {
             cancel.store(true, Ordering::SeqCst);
         }
-        current.is_some()
+        !current.is_empty()
     }
 
     /// Whether shutdown has begun.
@@ -70,21 +70,21 @@ impl Shutdown {
         self.requested.load(Ordering::SeqCst)
     }
 
-    fn slot(&self) -> std::sync::MutexGuard<'_, Option<Arc<AtomicBool>>> {
+    fn slot(&self) -> std::sync::MutexGuard<'_, Vec<Arc<AtomicBool>>> {
         self.current.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Registers a job about to run; false when shutdown was requested (it must not run). The
-    /// job is registered before the flag is read and `request` sets the flag before it looks, so
-    /// one of the two always sees the other.
+    /// Registers a job handed to the scheduler; false when shutdown was requested (it must not
+    /// run). The job is registered before the flag is read and `request` sets the flag before
+    /// it looks, so one of the two always sees the other.
     fn begin(&self, cancel: &Arc<AtomicBool>) -> bool {
-        *self.slot() = Some(cancel.clone());
+        self.slot().push(cancel.clone());
         !self.requested()
     }
 
-    /// The registered job has finished.
-    fn end(&self) {
-        *self.slot() = None;
+    /// A registered job has finished.
+    fn end(&self, cancel: &Arc<AtomicBool>) {
+        self.slot().retain(|c| !Arc::ptr_eq(c, cancel));
     }
 }
 
@@ -101,6 +101,8 @@ fn shutting_down() -> ApiError {
 pub struct Limits {
     pub base: DecodeParams,
     pub max_gen_length: u32,
+    /// Requests decoded together (`--parallel`).
+    pub parallel: usize,
 }
 
 /// Releases text only when it cannot be the start of a stop string, and cuts at the first stop.
@@ -205,165 +207,302 @@ pub fn params_for(knobs: &Knobs, limits: &Limits) -> Result<DecodeParams, ApiErr
     Ok(p)
 }
 
-pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutdown) {
+/// What the worker shows of its load (`/metrics`, `/health`): the scheduler's counters as of
+/// its last step, and the jobs in the queue not yet taken.
+#[derive(Clone, Default)]
+pub struct Load {
+    pub stats: Arc<Mutex<Stats>>,
+    pub queued: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Load {
+    pub fn stats(&self) -> Stats {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// The worker: owns the model and the scheduler, takes jobs from the queue as requests finish
+/// (up to `parallel` in the scheduler; the rest wait in the bounded queue) and steps the
+/// scheduler until the queue closes.
+pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutdown, load: &Load) {
+    let parallel = limits.parallel.max(1);
     let template = loaded
         .file
         .header
         .get("tokenizer.chat_template")
         .and_then(|v| v.as_str())
         .and_then(|s| ChatTemplate::new(s).ok());
-    let block = limits.max_gen_length as usize;
-    let cache = match loaded.new_cache(loaded.context + block) {
+    let cache = match loaded.new_cache(loaded.context + limits.max_gen_length as usize) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
             return;
         }
     };
-    let context = loaded.context;
-    let mut session = Session::new(&loaded.model, &loaded.tokenizer, template, cache);
-    for job in jobs {
-        if job.cancel.load(Ordering::SeqCst) {
-            continue;
+    let mut sched = Scheduler::new(&loaded.model, cache, parallel);
+    let ctx = Ctx {
+        loaded: &loaded,
+        template: template.as_ref(),
+        limits: &limits,
+        shutdown,
+    };
+    let mut open = true;
+    loop {
+        // Take jobs while the scheduler has room; wait for one only when it is idle.
+        while open {
+            let st = sched.stats();
+            if st.running + st.waiting >= parallel {
+                break;
+            }
+            let job = if sched.is_idle() {
+                match jobs.recv() {
+                    Ok(j) => j,
+                    Err(_) => {
+                        open = false;
+                        break;
+                    }
+                }
+            } else {
+                match jobs.try_recv() {
+                    Ok(j) => j,
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            };
+            load.queued.fetch_sub(1, Ordering::SeqCst);
+            if job.cancel.load(Ordering::SeqCst) {
+                let _ = job.tx.send(Msg::End);
+                continue;
+            }
+            if !shutdown.begin(&job.cancel) {
+                shutdown.end(&job.cancel);
+                let _ = job.tx.send(Msg::Error(shutting_down()));
+                let _ = job.tx.send(Msg::End);
+                continue;
+            }
+            match ctx.request(job) {
+                Ok(req) => sched.submit(req),
+                Err((job, e)) => {
+                    shutdown.end(&job.cancel);
+                    let _ = job.tx.send(Msg::Error(e));
+                    let _ = job.tx.send(Msg::End);
+                }
+            }
         }
-        let result = if shutdown.begin(&job.cancel) {
-            run_job(&mut session, &loaded, context, &limits, &job, shutdown)
-        } else {
-            Err(shutting_down())
-        };
-        shutdown.end();
-        if let Err(e) = result {
-            let _ = job.tx.send(Msg::Error(e));
+        if sched.is_idle() && !open {
+            break;
         }
-        let _ = job.tx.send(Msg::End);
+        sched.step();
+        *load.stats.lock().unwrap_or_else(|e| e.into_inner()) = sched.stats();
     }
 }
 
-fn run_job(
-    session: &mut Session<'_, crate::model::Qwen3>,
-    loaded: &Loaded,
-    context: usize,
-    limits: &Limits,
-    job: &Job,
-    shutdown: &Shutdown,
-) -> Result<(), ApiError> {
-    let params = params_for(&job.knobs, limits)?;
-    let prompt = match &job.input {
-        JobInput::Chat(messages) => session
-            .render(messages)
-            .map_err(|e| ApiError::bad_request(e.to_string()))?,
-        JobInput::Tokens(ids) => {
-            let vocab = loaded.tokenizer.vocab_size();
-            if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                return Err(ApiError::bad_request(format!(
-                    "token id {bad} is beyond the vocabulary ({vocab} tokens)"
-                ))
-                .param("prompt"));
-            }
-            ids.clone()
+/// What a job's request needs from the worker.
+struct Ctx<'a> {
+    loaded: &'a Loaded,
+    template: Option<&'a ChatTemplate>,
+    limits: &'a Limits,
+    shutdown: &'a Shutdown,
+}
+
+impl<'a> Ctx<'a> {
+    /// The job as a scheduler request: its prompt and parameters checked (a mistake comes back
+    /// with the job), its answer streamed to the client through the sink.
+    fn request(&self, job: Job) -> Result<Request<'a>, (Job, ApiError)> {
+        let params = match params_for(&job.knobs, self.limits) {
+            Ok(p) => p,
+            Err(e) => return Err((job, e)),
+        };
+        let prompt = match self.prompt(&job.input) {
+            Ok(p) => p,
+            Err(e) => return Err((job, e)),
+        };
+        let vocab = crate::model::Forward::config(&self.loaded.model).vocab;
+        let capacity = self.loaded.context;
+        if let Err(e) = crate::decode::check(&prompt, &params, vocab, capacity) {
+            return Err((job, api_error(e)));
         }
-        JobInput::Text(text) => loaded
-            .tokenizer
-            .encode(text)
-            .map_err(|e| ApiError::bad_request(e.to_string()))?,
-    };
-    if prompt.is_empty() {
-        return Err(ApiError::bad_request("the prompt is empty"));
-    }
-    let gen = params.padded_gen_length() as usize;
-    if prompt.len() + gen > context {
-        return Err(ApiError::bad_request(format!(
-            "the prompt ({} tokens) plus max_tokens ({gen}) is {} tokens, more than the context of {context}",
-            prompt.len(),
-            prompt.len() + gen
-        )));
-    }
-    if let Some(i) = prompt.iter().position(|&t| t == params.mask_id) {
-        return Err(ApiError::bad_request(format!(
-            "the prompt contains the mask token at index {i}"
-        )));
-    }
-    let _ = job.tx.send(Msg::Started {
-        prompt_tokens: prompt.len(),
-    });
-    let mut stream = TextStream::new(&loaded.tokenizer, prompt.len(), params.eos_id);
-    let mut filter = StopFilter {
-        stops: job
-            .knobs
-            .stop
-            .as_ref()
-            .map(|s| s.list())
-            .unwrap_or_default(),
-        text: String::new(),
-        emitted: 0,
-        hit: false,
-    };
-    let cancel = &job.cancel;
-    let tx = &job.tx;
-    let result = session.generate(&prompt, &params, cancel, &mut |ev| {
-        if let Event::Committed { positions, tokens } = ev {
-            if let Some(text) = stream.push(positions, tokens) {
-                let out = filter.push(&text);
-                if !out.is_empty() {
+        let tokenizer = &*self.loaded.tokenizer;
+        let shutdown = self.shutdown;
+        let Job {
+            knobs, cancel, tx, ..
+        } = job;
+        let mut answer = Answer {
+            stream: TextStream::new(tokenizer, prompt.len(), params.eos_id),
+            filter: StopFilter {
+                stops: knobs.stop.as_ref().map(|s| s.list()).unwrap_or_default(),
+                text: String::new(),
+                emitted: 0,
+                hit: false,
+            },
+            prompt_tokens: prompt.len(),
+            reused: 0,
+        };
+        let flag = cancel.clone();
+        let sink = Box::new(move |u: Update<'_>| match u {
+            Update::Started { reused } => {
+                answer.reused = reused;
+                let _ = tx.send(Msg::Started {
+                    prompt_tokens: answer.prompt_tokens,
+                });
+            }
+            Update::Event(Event::Committed { positions, tokens }) => {
+                if let Some(out) = answer.push(positions, tokens) {
                     let _ = tx.send(Msg::Delta(out));
                 }
-                if filter.hit {
-                    cancel.store(true, Ordering::SeqCst);
+                if answer.filter.hit {
+                    flag.store(true, Ordering::SeqCst);
                 }
             }
-        }
-    });
-    match result {
-        Ok(r) => {
-            let rest = filter.finish();
-            if !rest.is_empty() {
-                let _ = tx.send(Msg::Delta(rest));
+            Update::Event(_) => {}
+            Update::Finished(result) => {
+                let outcome = answer.finish(result, tokenizer, shutdown);
+                shutdown.end(&flag);
+                match outcome {
+                    Ok(msgs) => {
+                        for m in msgs {
+                            let _ = tx.send(m);
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Msg::Error(e));
+                    }
+                }
+                let _ = tx.send(Msg::End);
             }
-            let finish_reason = if filter.hit || r.eos_index.is_some() {
-                "stop"
-            } else {
-                "length"
-            };
-            tracing::info!(
-                "generated {} tokens for a {}-token prompt ({} from the cache), TPF {:.2}, {finish_reason}",
-                r.answer().len(),
-                prompt.len(),
-                session.last_reused,
-                r.tpf
-            );
-            let _ = tx.send(Msg::Done {
-                finish_reason,
-                prompt_tokens: prompt.len(),
-                completion_tokens: r.answer().len(),
-            });
-            Ok(())
+        });
+        Ok(Request {
+            prompt,
+            params,
+            cancel,
+            sink,
+        })
+    }
+
+    fn prompt(&self, input: &JobInput) -> Result<Vec<u32>, ApiError> {
+        let tok = &self.loaded.tokenizer;
+        match input {
+            JobInput::Chat(messages) => {
+                let t = self
+                    .template
+                    .ok_or_else(|| ApiError::bad_request("the model file has no chat template"))?;
+                let text = t
+                    .render(messages, true)
+                    .map_err(|e| ApiError::bad_request(e.to_string()))?;
+                tok.encode(&text)
+                    .map_err(|e| ApiError::bad_request(e.to_string()))
+            }
+            JobInput::Tokens(ids) => {
+                let vocab = tok.vocab_size();
+                if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                    return Err(ApiError::bad_request(format!(
+                        "token id {bad} is beyond the vocabulary ({vocab} tokens)"
+                    ))
+                    .param("prompt"));
+                }
+                Ok(ids.clone())
+            }
+            JobInput::Text(text) => tok
+                .encode(text)
+                .map_err(|e| ApiError::bad_request(e.to_string())),
         }
-        Err(Error::Cancelled) if filter.hit => {
-            let completion = loaded
-                .tokenizer
-                .encode(&filter.text[..filter.emitted])
-                .map(|t| t.len())
-                .unwrap_or(0);
-            let _ = tx.send(Msg::Done {
-                finish_reason: "stop",
-                prompt_tokens: prompt.len(),
-                completion_tokens: completion,
-            });
-            Ok(())
+    }
+}
+
+/// A caller's mistake is a 400, anything else a 500.
+fn api_error(e: Error) -> ApiError {
+    match e {
+        Error::Request(r) => {
+            let err = ApiError::bad_request(r.to_string());
+            match r {
+                RequestError::EmptyPrompt
+                | RequestError::MaskInPrompt { .. }
+                | RequestError::OutsideVocabulary { .. } => err.param("prompt"),
+                RequestError::TooLong { .. } => err.param("max_tokens"),
+                RequestError::Params(_) => err,
+            }
         }
-        Err(Error::Cancelled) if shutdown.requested() => {
-            tracing::warn!("shutting down: the generation in progress was cancelled");
-            Err(shutting_down())
-        }
-        Err(Error::Cancelled) => {
-            tracing::info!("the client went away; its generation was cancelled");
-            Ok(())
-        }
-        Err(e) => Err(ApiError::new(
+        e => ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "server_error",
             e.to_string(),
-        )),
+        ),
+    }
+}
+
+/// One answer on its way to the client: the committed text, cut at a stop string.
+struct Answer<'t> {
+    stream: TextStream<'t>,
+    filter: StopFilter,
+    prompt_tokens: usize,
+    reused: usize,
+}
+
+impl Answer<'_> {
+    fn push(&mut self, positions: &[u32], tokens: &[u32]) -> Option<String> {
+        let text = self.stream.push(positions, tokens)?;
+        let out = self.filter.push(&text);
+        (!out.is_empty()).then_some(out)
+    }
+
+    /// The last messages: the held-back text and `Done`, nothing (the client went away), or
+    /// the error.
+    fn finish(
+        &mut self,
+        result: crate::error::Result<crate::decode::DecodeResult>,
+        tokenizer: &crate::chat::Tokenizer,
+        shutdown: &Shutdown,
+    ) -> Result<Vec<Msg>, ApiError> {
+        let prompt_tokens = self.prompt_tokens;
+        match result {
+            Ok(r) => {
+                let finish_reason = if self.filter.hit || r.eos_index.is_some() {
+                    "stop"
+                } else {
+                    "length"
+                };
+                tracing::info!(
+                    "generated {} tokens for a {prompt_tokens}-token prompt ({} from the cache), TPF {:.2}, {finish_reason}",
+                    r.answer().len(),
+                    self.reused,
+                    r.tpf
+                );
+                let rest = self.filter.finish();
+                let mut msgs = Vec::new();
+                if !rest.is_empty() {
+                    msgs.push(Msg::Delta(rest));
+                }
+                msgs.push(Msg::Done {
+                    finish_reason,
+                    prompt_tokens,
+                    completion_tokens: r.answer().len(),
+                });
+                Ok(msgs)
+            }
+            Err(Error::Cancelled) if self.filter.hit => {
+                let completion = tokenizer
+                    .encode(&self.filter.text[..self.filter.emitted])
+                    .map(|t| t.len())
+                    .unwrap_or(0);
+                Ok(vec![Msg::Done {
+                    finish_reason: "stop",
+                    prompt_tokens,
+                    completion_tokens: completion,
+                }])
+            }
+            Err(Error::Cancelled) if shutdown.requested() => {
+                tracing::warn!("shutting down: a generation in progress was cancelled");
+                Err(shutting_down())
+            }
+            Err(Error::Cancelled) => {
+                tracing::info!("the client went away; its generation was cancelled");
+                Ok(Vec::new())
+            }
+            Err(e) => Err(api_error(e)),
+        }
     }
 }
 

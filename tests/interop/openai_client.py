@@ -34,6 +34,11 @@ def get(path):
         return r.status, json.loads(r.read())
 
 
+def get_text(path):
+    with urllib.request.urlopen(base + path, timeout=30) as r:
+        return r.status, r.read().decode()
+
+
 def check_error(status, body, want_status, needle):
     assert status == want_status, (status, body)
     err = body["error"]
@@ -68,14 +73,31 @@ if mode == "api":
         model=model, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True, extra_body=KNOBS))
     assert streamed == c.choices[0].text, (streamed, c.choices[0].text)
     # A prompt as token ids (OpenAI's and llama-server's completions take them), plain or as a
-    # list holding one list; ids beyond the vocabulary and several prompts are refused.
+    # list holding one list; ids beyond the vocabulary are refused.
     ids = [9707, 11, 1879, 0]
     by_ids = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0, extra_body=KNOBS)
     assert by_ids.usage.prompt_tokens == len(ids), by_ids.usage
     nested = client.completions.create(model=model, prompt=[ids], max_tokens=8, temperature=0, extra_body=KNOBS)
     assert nested.choices[0].text == by_ids.choices[0].text
     check_error(*raw("/v1/completions", {"prompt": [1, 10**9], "max_tokens": 4}), 400, "beyond the vocabulary")
-    check_error(*raw("/v1/completions", {"prompt": [[1], [2]], "max_tokens": 4}), 400, "exactly one prompt")
+    # Several prompts in one request: one choice each, in order, each the answer it gets alone,
+    # plain and streamed; the usage sums them.
+    texts = ["Once upon a time", "The sea is"]
+    alone = [client.completions.create(model=model, prompt=t, max_tokens=8, temperature=0, extra_body=KNOBS)
+             for t in texts]
+    many = client.completions.create(model=model, prompt=texts, max_tokens=8, temperature=0, extra_body=KNOBS)
+    assert [c.index for c in many.choices] == [0, 1], many.choices
+    assert [c.text for c in many.choices] == [a.choices[0].text for a in alone], many.choices
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone), many.usage
+    parts = {0: "", 1: ""}
+    for ch in client.completions.create(model=model, prompt=texts, max_tokens=8, temperature=0, stream=True,
+                                        extra_body=KNOBS):
+        for c in ch.choices:
+            parts[c.index] += c.text
+    assert [parts[0], parts[1]] == [a.choices[0].text for a in alone], parts
+    by_lists = client.completions.create(model=model, prompt=[ids, ids], max_tokens=8, temperature=0, extra_body=KNOBS)
+    assert [c.text for c in by_lists.choices] == [by_ids.choices[0].text] * 2
+    check_error(*raw("/v1/completions", {"prompt": [], "max_tokens": 4}), 400, "empty list")
     # n > 1 is refused, never silently one choice.
     check_error(*raw("/v1/chat/completions", {"messages": messages, "max_tokens": 4, "n": 2}), 400, "n must be 1")
     # stream_options.include_usage: a last chunk with no choices and the usage, then [DONE].
@@ -97,7 +119,7 @@ if mode == "api":
     check_error(*raw("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}), 400,
                 "max_tokens")
     check_error(*raw("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 3000}], "max_tokens": 64}),
-                400, "more than the context")
+                400, "exceeds the context")
     check_error(*raw("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}), 413, "too large")
     check_error(*raw("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}), 400, "unknown role")
     check_error(*raw("/v1/nothing", {}), 404, "unknown endpoint")
@@ -115,7 +137,8 @@ if mode == "api":
     resp.close()
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=8, extra_body=KNOBS)
     assert r.choices[0].message.content is not None
-    assert get("/health") == (200, {"status": "ok"})
+    s, h = get("/health")
+    assert s == 200 and h["status"] == "ok" and h["slots_idle"] + h["slots_processing"] == 4, h
 
 elif mode == "load":
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
@@ -134,7 +157,14 @@ elif mode == "load":
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         list(ex.map(worker, range(8)))
     assert not failures, failures[:3]
-    assert get("/health") == (200, {"status": "ok"})
+    s, h = get("/health")
+    assert s == 200 and h["status"] == "ok", h
+    # Prometheus' text: the 200 requests answered, batches of several requests at a time.
+    s, metrics = get_text("/metrics")
+    values = dict(line.split(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+    assert int(values["refusion_requests_finished_total"]) >= 200, metrics
+    assert int(values["refusion_forwards_total"]) > 0 and int(values["refusion_kv_entries"]) > 0, metrics
+    assert values["refusion_requests_running"] == "0", metrics
     print(f"200 requests in {time.time() - t:.1f} s", file=sys.stderr)
 
 elif mode == "busy":
@@ -182,7 +212,7 @@ elif mode == "llama":
     assert raw("/detokenize", {"tokens": [10**9]})[1]["error"]["param"] == "tokens"
     check_error(*raw("/tokenize", {"text": text}), 400, "content")
     s, b = get("/props")
-    assert s == 200 and b["total_slots"] == 1, b
+    assert s == 200 and b["total_slots"] == 4, b
     assert b["default_generation_settings"]["n_ctx"] > 0, b
     assert b["default_generation_settings"]["params"]["n_predict"] > 0, b
     assert "im_start" in b["chat_template"], b["chat_template"][:200]
