@@ -285,7 +285,8 @@ pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutd
             }
             match ctx.request(job) {
                 Ok(req) => sched.submit(req),
-                Err((job, e)) => {
+                Err(failed) => {
+                    let (job, e) = *failed;
                     shutdown.end(&job.cancel);
                     let _ = job.tx.send(Msg::Error(e));
                     let _ = job.tx.send(Msg::End);
@@ -311,19 +312,19 @@ struct Ctx<'a> {
 impl<'a> Ctx<'a> {
     /// The job as a scheduler request: its prompt and parameters checked (a mistake comes back
     /// with the job), its answer streamed to the client through the sink.
-    fn request(&self, job: Job) -> Result<Request<'a>, (Job, ApiError)> {
+    fn request(&self, job: Job) -> Result<Request<'a>, Box<(Job, ApiError)>> {
         let params = match params_for(&job.knobs, self.limits) {
             Ok(p) => p,
-            Err(e) => return Err((job, e)),
+            Err(e) => return Err(Box::new((job, e))),
         };
         let prompt = match self.prompt(&job.input) {
             Ok(p) => p,
-            Err(e) => return Err((job, e)),
+            Err(e) => return Err(Box::new((job, e))),
         };
         let vocab = crate::model::Forward::config(&self.loaded.model).vocab;
         let capacity = self.loaded.context;
         if let Err(e) = crate::decode::check(&prompt, &params, vocab, capacity) {
-            return Err((job, api_error(e)));
+            return Err(Box::new((job, api_error(e))));
         }
         let tokenizer = &*self.loaded.tokenizer;
         let shutdown = self.shutdown;
