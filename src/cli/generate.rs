@@ -20,7 +20,7 @@ use crate::runtime::load;
 use crate::session::Session;
 
 #[derive(Args)]
-#[command(group(ArgGroup::new("input").required(true).args(["prompt", "file", "prompt_ids"])))]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "file", "prompt_ids", "batch"])))]
 pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -54,6 +54,22 @@ pub struct GenerateArgs {
     /// the same tokens (llama.cpp's --prompt-cache).
     #[arg(long, value_name = "FILE")]
     prompt_cache: Option<PathBuf>,
+    /// Run every request of a JSON-lines file (one object per line: `prompt` or `messages`,
+    /// optional decoding fields) together, writing one JSON result per line in input order
+    /// (`-` reads standard input).
+    #[arg(long, value_name = "FILE.jsonl", conflicts_with_all = ["json", "visual", "prompt_cache"])]
+    batch: Option<PathBuf>,
+    /// With --batch: write the results to this file (atomically) instead of standard output.
+    #[arg(short = 'o', long = "output", value_name = "FILE", requires = "batch")]
+    output: Option<PathBuf>,
+    /// With --batch: requests decoded together (`-np`).
+    #[arg(
+        long = "parallel",
+        value_name = "N",
+        default_value_t = 8,
+        requires = "batch"
+    )]
+    parallel: usize,
 }
 
 /// ReFusion's decoding knobs, shared by `generate`, `chat` and `serve`.
@@ -158,6 +174,42 @@ impl DecodeArgs {
         }
         Ok(p)
     }
+}
+
+/// `--batch`: the file read and checked first, then the model loaded and every line run.
+fn run_batch(a: &GenerateArgs, path: &std::path::Path) -> Result<()> {
+    if !(1..=256).contains(&a.parallel) {
+        bail!("--parallel must be between 1 and 256, got {}", a.parallel);
+    }
+    if let Some(out) = &a.output {
+        let parent = out.parent().filter(|p| !p.as_os_str().is_empty());
+        if parent.is_some_and(|p| !p.is_dir()) {
+            bail!(
+                "output folder '{}' does not exist",
+                parent.unwrap_or(out).display()
+            );
+        }
+        if out.canonicalize().ok() == path.canonicalize().ok() && out.exists() {
+            bail!(
+                "{}: the output would overwrite the batch file",
+                out.display()
+            );
+        }
+    }
+    let lines = super::batch::read(path)?;
+    let loaded = load(&a.model.load_options(true)?)?;
+    let base = a.decode.params(&loaded.file.header, &loaded.tokenizer)?;
+    super::batch::run(
+        &loaded,
+        lines,
+        &super::batch::BatchRun {
+            base,
+            use_template: !a.no_chat_template,
+            parallel: a.parallel,
+            output: a.output.as_deref(),
+            quiet: a.model.log_disable,
+        },
+    )
 }
 
 /// The `refusion.*` decoding defaults of a file, else the model card's.
@@ -272,6 +324,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         bail!("-cnv: for a conversation, use refusion chat (generate answers one prompt)");
     }
     super::set_threads(a.model.threads)?;
+    if let Some(path) = &a.batch {
+        return run_batch(&a, path);
+    }
     let opts = a.model.load_options(true)?;
     let file_text = match (&a.prompt_ids, &a.prompt, &a.file) {
         (None, None, Some(path)) => Some(read_prompt_file(path)?),

@@ -1,5 +1,6 @@
 //! The `refusion` command line.
 
+mod batch;
 mod bench;
 mod chat;
 mod convert_cmd;

@@ -38,6 +38,11 @@ impl ApiError {
         }
     }
 
+    /// The message alone (for errors reported outside HTTP).
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
     pub fn body(&self) -> Json {
         json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": null}})
     }

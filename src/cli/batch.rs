@@ -1,0 +1,355 @@
+//! `refusion generate --batch FILE.jsonl`: many requests through the scheduler at once (what an
+//! evaluation set such as GSM8K or HumanEval needs), one JSON result per line in input order.
+//!
+//! Each input line is one request object, as the server's completions take it: `prompt` (text,
+//! through the chat template unless `--no-chat-template`, or token ids) or `messages`, an
+//! optional `system`, an `id` echoed back, and the server's decoding fields (`max_tokens`,
+//! `temperature`, `seed`, `stop`, `slot_size`, `serial_blocks`, `slot_threshold`,
+//! `token_threshold`). Other fields are ignored, so an evaluation file can carry its answers.
+
+use std::cell::RefCell;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::chat::{ChatTemplate, Message, TextStream};
+use crate::decode::{DecodeParams, DecodeResult, Event};
+use crate::runtime::Loaded;
+use crate::sched::{Request, Scheduler, Update};
+use crate::server::api::{self, ChatMessage, Knobs};
+use crate::server::worker::{params_for, Limits};
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum LinePrompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Line {
+    prompt: Option<LinePrompt>,
+    messages: Option<Vec<ChatMessage>>,
+    system: Option<String>,
+    id: Option<Value>,
+    #[serde(flatten)]
+    knobs: Knobs,
+}
+
+/// The requests of a batch file, checked before the model loads: each line parses, has a
+/// `prompt` or `messages` (not both) and asks for one choice.
+pub fn read(path: &Path) -> Result<Vec<(usize, Value, Line)>> {
+    let text = if path.as_os_str() == "-" {
+        let mut t = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut t)
+            .context("reading the batch from standard input")?;
+        t
+    } else {
+        if path.is_dir() {
+            bail!("{}: is a directory, not a batch file", path.display());
+        }
+        std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?
+    };
+    let mut out = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let at = |m: &str| anyhow::anyhow!("{}:{}: {m}", path.display(), i + 1);
+        let line: Line = api::parse_with_knobs(raw.as_bytes()).map_err(|e| at(e.message()))?;
+        match (&line.prompt, &line.messages) {
+            (None, None) => return Err(at("needs a prompt or messages")),
+            (Some(_), Some(_)) => return Err(at("has both a prompt and messages; give one")),
+            _ => {}
+        }
+        if line.knobs.n.is_some_and(|n| n != 1) {
+            return Err(at("n must be 1 (one choice per line)"));
+        }
+        if line.knobs.stream {
+            return Err(at("stream is not used in a batch; drop it"));
+        }
+        let id = line.id.clone().unwrap_or(Value::Null);
+        out.push((i + 1, id, line));
+    }
+    if out.is_empty() {
+        bail!("{}: no requests (one JSON object per line)", path.display());
+    }
+    Ok(out)
+}
+
+/// Options of a batch run from the command line.
+pub struct BatchRun<'a> {
+    pub base: DecodeParams,
+    pub use_template: bool,
+    pub parallel: usize,
+    pub output: Option<&'a Path>,
+    pub quiet: bool,
+}
+
+/// One request's text and stop strings as it decodes.
+struct Answer<'t> {
+    stream: TextStream<'t>,
+    text: String,
+    stops: Vec<String>,
+    stopped: bool,
+}
+
+/// Runs every line and writes the results in input order (atomically into `output`).
+pub fn run(loaded: &Loaded, lines: Vec<(usize, Value, Line)>, opts: &BatchRun<'_>) -> Result<()> {
+    let tok = &*loaded.tokenizer;
+    let template = loaded
+        .file
+        .header
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.as_str())
+        .map(ChatTemplate::new)
+        .transpose()?;
+    let limits = Limits {
+        base: opts.base.clone(),
+        max_gen_length: loaded.context as u32,
+        parallel: opts.parallel,
+    };
+    let n = lines.len();
+    let results: RefCell<Vec<Option<Value>>> = RefCell::new(vec![None; n]);
+    let generated = RefCell::new(0usize);
+    let bar = progress(n, opts.quiet);
+    let cache = loaded.new_cache(loaded.context)?;
+    let mut sched = Scheduler::new(&loaded.model, cache, opts.parallel);
+    let mut out = Output::open(opts.output)?;
+    let start = Instant::now();
+    for (index, (line_no, id, line)) in lines.into_iter().enumerate() {
+        let fail = |msg: String| json!({"index": index, "line": line_no, "id": id, "error": msg});
+        let params = match params_for(&line.knobs, &limits) {
+            Ok(p) => p,
+            Err(e) => {
+                results.borrow_mut()[index] = Some(fail(e.message().to_string()));
+                continue;
+            }
+        };
+        let prompt = match line_prompt(&line, tok, template.as_ref(), opts.use_template) {
+            Ok(p) => p,
+            Err(e) => {
+                results.borrow_mut()[index] = Some(fail(e.to_string()));
+                continue;
+            }
+        };
+        let stops = line
+            .knobs
+            .stop
+            .as_ref()
+            .map(|s| s.list())
+            .unwrap_or_default();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let flag = cancel.clone();
+        let mut answer = Answer {
+            stream: TextStream::new(tok, prompt.len(), params.eos_id),
+            text: String::new(),
+            stops,
+            stopped: false,
+        };
+        let prompt_tokens = prompt.len();
+        let (results, generated, bar) = (&results, &generated, &bar);
+        let sink = Box::new(move |u: Update<'_>| match u {
+            Update::Event(Event::Committed { positions, tokens }) => {
+                if let Some(t) = answer.stream.push(positions, tokens) {
+                    answer.text.push_str(&t);
+                    if let Some(cut) = answer
+                        .stops
+                        .iter()
+                        .filter_map(|s| answer.text.find(s))
+                        .min()
+                    {
+                        answer.text.truncate(cut);
+                        answer.stopped = true;
+                        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
+                }
+            }
+            Update::Finished(r) => {
+                let v = finished(index, line_no, &id, prompt_tokens, &answer, r);
+                if let Some(c) = v.get("answer_tokens").and_then(Value::as_u64) {
+                    *generated.borrow_mut() += c as usize;
+                }
+                results.borrow_mut()[index] = Some(v);
+                bar.inc(1);
+            }
+            _ => {}
+        });
+        sched.submit(Request {
+            prompt,
+            params,
+            cancel,
+            sink,
+        });
+    }
+    let mut written = 0;
+    loop {
+        let more = sched.step();
+        written = out.write_ready(&results, written)?;
+        if !more {
+            break;
+        }
+    }
+    written = out.write_ready(&results, written)?;
+    debug_assert_eq!(written, n);
+    out.finish()?;
+    bar.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64();
+    let st = sched.stats();
+    if !opts.quiet {
+        let tokens = *generated.borrow();
+        eprintln!(
+            "batch: {n} requests, {tokens} answer tokens in {secs:.2} s ({:.1} tokens/s), {} forwards of {:.1} tokens on average, {} prompt tokens of {} from cached prompts, -np {}",
+            tokens as f64 / secs.max(1e-9),
+            st.forwards,
+            st.forward_tokens as f64 / st.forwards.max(1) as f64,
+            st.prompt_tokens_reused,
+            st.prompt_tokens,
+            opts.parallel
+        );
+    }
+    Ok(())
+}
+
+/// A line's prompt tokens.
+fn line_prompt(
+    line: &Line,
+    tok: &crate::chat::Tokenizer,
+    template: Option<&ChatTemplate>,
+    use_template: bool,
+) -> Result<Vec<u32>> {
+    let render = |messages: &[Message]| -> Result<Vec<u32>> {
+        let t = template.context("the model file has no chat template; pass --no-chat-template")?;
+        Ok(tok.encode(&t.render(messages, true)?)?)
+    };
+    let mut messages = Vec::new();
+    if let Some(s) = &line.system {
+        messages.push(Message::new("system", s));
+    }
+    match (&line.prompt, &line.messages) {
+        (Some(LinePrompt::Ids(ids)), _) => Ok(ids.clone()),
+        (Some(LinePrompt::Text(text)), _) if !use_template => Ok(tok.encode(text)?),
+        (Some(LinePrompt::Text(text)), _) => {
+            messages.push(Message::new("user", text));
+            render(&messages)
+        }
+        (None, Some(ms)) => {
+            for m in ms {
+                messages.push(Message::new(
+                    &m.role,
+                    &m.content
+                        .text()
+                        .map_err(|e| anyhow::anyhow!("{}", e.message()))?,
+                ));
+            }
+            render(&messages)
+        }
+        (None, None) => bail!("needs a prompt or messages"),
+    }
+}
+
+fn finished(
+    index: usize,
+    line: usize,
+    id: &Value,
+    prompt_tokens: usize,
+    answer: &Answer<'_>,
+    r: crate::error::Result<DecodeResult>,
+) -> Value {
+    match r {
+        Ok(r) => json!({
+            "index": index, "line": line, "id": id,
+            "text": answer.text,
+            "finish_reason": if r.eos_index.is_some() { "stop" } else { "length" },
+            "tokens": r.answer(),
+            "prompt_tokens": prompt_tokens,
+            "answer_tokens": r.answer().len(),
+            "tpf": r.tpf,
+            "forward_calls": r.forward_calls,
+        }),
+        Err(crate::error::Error::Cancelled) if answer.stopped => json!({
+            "index": index, "line": line, "id": id,
+            "text": answer.text,
+            "finish_reason": "stop",
+            "prompt_tokens": prompt_tokens,
+        }),
+        Err(e) => json!({"index": index, "line": line, "id": id, "error": e.to_string()}),
+    }
+}
+
+fn progress(n: usize, quiet: bool) -> indicatif::ProgressBar {
+    if quiet {
+        return indicatif::ProgressBar::hidden();
+    }
+    // Drawn only on a terminal (indicatif hides itself otherwise).
+    let bar = indicatif::ProgressBar::new(n as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{bar:30} {pos}/{len} requests [{elapsed_precise}, ETA {eta}]",
+    ) {
+        bar.set_style(style);
+    }
+    bar
+}
+
+/// Results in input order, to stdout or atomically to a file (`FILE.partial`, renamed when
+/// every line is written; removed on an error).
+struct Output {
+    file: Option<(refusion_convert::output::AtomicFile, PathBuf)>,
+    buf: Vec<u8>,
+}
+
+impl Output {
+    fn open(path: Option<&Path>) -> Result<Output> {
+        let file = match path {
+            Some(p) => Some((
+                refusion_convert::output::AtomicFile::create(p)?,
+                p.to_path_buf(),
+            )),
+            None => None,
+        };
+        Ok(Output {
+            file,
+            buf: Vec::new(),
+        })
+    }
+
+    /// Writes the results from `from` on that are ready and contiguous; returns how many are
+    /// written in all.
+    fn write_ready(&mut self, results: &RefCell<Vec<Option<Value>>>, from: usize) -> Result<usize> {
+        let mut done = from;
+        let results = results.borrow();
+        self.buf.clear();
+        while let Some(Some(v)) = results.get(done) {
+            self.buf.extend_from_slice(v.to_string().as_bytes());
+            self.buf.push(b'\n');
+            done += 1;
+        }
+        if !self.buf.is_empty() {
+            match &mut self.file {
+                Some((f, p)) => f
+                    .file()
+                    .write_all(&self.buf)
+                    .with_context(|| format!("{}", p.display()))?,
+                None => {
+                    let mut out = std::io::stdout().lock();
+                    out.write_all(&self.buf)?;
+                    out.flush()?;
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    fn finish(self) -> Result<()> {
+        if let Some((f, _)) = self.file {
+            f.commit()?;
+        }
+        Ok(())
+    }
+}
