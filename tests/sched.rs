@@ -313,3 +313,93 @@ fn a_common_prompt_is_held_once_and_a_cancelled_neighbour_leaves_the_other_exact
     s.clear_prefixes();
     assert_eq!(s.cache().cells().used_slots(), 0);
 }
+
+/// A POST over loopback (one request per connection); the JSON answer.
+fn post(base: &str, path: &str, body: &Value) -> Value {
+    use std::io::{Read, Write};
+    let addr = base.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let body = body.to_string();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, json) = out.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{json}");
+    serde_json::from_str(json).unwrap()
+}
+
+#[test]
+fn golden_cases_through_the_server_at_once_with_token_id_prompts() {
+    let text = std::fs::read_to_string(fixtures().join("goldens_public.json")).unwrap();
+    let goldens: Value = serde_json::from_str(&text).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = tmp.path().join("pub-b.gguf");
+    convert_quiet(&fixture_model("pub-b"), &gguf, "f32");
+    let tok = refusion::chat::Tokenizer::from_gguf(&GgufFile::open(&gguf).unwrap().header).unwrap();
+    let cases: Vec<&Value> = goldens["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["model"] == "pub-b" && c["temperature"].as_f64() == Some(0.0))
+        .collect();
+    assert!(cases.len() >= 20, "{}", cases.len());
+    let server = common::server::Server::start(&gguf, &["--parallel", "4", "--queue", "64"]);
+    let base = server.base.clone();
+    let answers: Vec<(String, String)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = cases
+            .iter()
+            .map(|c| {
+                let base = base.clone();
+                let tok = &tok;
+                scope.spawn(move || {
+                    let body = serde_json::json!({
+                        "prompt": c["prompt_ids"],
+                        "max_tokens": c["gen_length"],
+                        "slot_size": c["slot_size"],
+                        "serial_blocks": c["serial_num_blocks"],
+                        "slot_threshold": c["slot_threshold"],
+                        "token_threshold": c["token_threshold"],
+                        "temperature": 0,
+                    });
+                    let r = post(&base, "/v1/completions", &body);
+                    let tokens = ids(&c["tokens"]);
+                    let eos = c["eos_id"].as_u64().unwrap() as u32;
+                    let end = tokens
+                        .iter()
+                        .position(|&t| t == eos)
+                        .unwrap_or(tokens.len());
+                    let want = tok.decode(&tokens[..end], true).unwrap();
+                    (r["choices"][0]["text"].as_str().unwrap().to_string(), want)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let wrong: Vec<usize> = answers
+        .iter()
+        .enumerate()
+        .filter(|(_, (got, want))| got != want)
+        .map(|(i, _)| i)
+        .collect();
+    let shown: Vec<String> = wrong
+        .iter()
+        .map(|&i| {
+            format!(
+                "{}: {:?} vs {:?}",
+                cases[i]["id"], answers[i].0, answers[i].1
+            )
+        })
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "{} of {} differ:\n{}",
+        wrong.len(),
+        answers.len(),
+        shown.join("\n")
+    );
+}

@@ -56,6 +56,18 @@ impl<'t> TextStream<'t> {
         Some(new)
     }
 
+    /// At the end of the answer: what was held back (an incomplete UTF-8 sequence, shown as
+    /// the replacement character, as a full decode of the answer shows it).
+    pub fn finish(&mut self) -> Option<String> {
+        let text = self.tokenizer.decode(&self.prefix, true).ok()?;
+        if text.len() <= self.emitted || !text.is_char_boundary(self.emitted) {
+            return None;
+        }
+        let rest = text[self.emitted..].to_string();
+        self.emitted = text.len();
+        Some(rest)
+    }
+
     /// The text released so far.
     pub fn emitted_len(&self) -> usize {
         self.emitted

@@ -172,6 +172,11 @@ pub fn run(loaded: &Loaded, lines: Vec<(usize, Value, Line)>, opts: &BatchRun<'_
                 }
             }
             Update::Finished(r) => {
+                if !answer.stopped {
+                    if let Some(t) = answer.stream.finish() {
+                        answer.text.push_str(&t);
+                    }
+                }
                 let v = finished(index, line_no, &id, prompt_tokens, &answer, r);
                 if let Some(c) = v.get("answer_tokens").and_then(Value::as_u64) {
                     *generated.borrow_mut() += c as usize;

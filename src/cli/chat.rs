@@ -204,6 +204,11 @@ pub fn run(a: ChatArgs) -> Result<()> {
             }
         });
         GENERATING.store(false, Ordering::SeqCst);
+        if result.is_ok() {
+            if let Some(tail) = stream.finish() {
+                let _ = stdout.write_all(tail.as_bytes());
+            }
+        }
         println!();
         match result {
             Ok(r) => {

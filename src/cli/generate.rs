@@ -447,6 +447,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         _ => {}
     })?;
     let decode_s = decode_start.elapsed().as_secs_f64();
+    if stream {
+        if let Some(tail) = streamer.finish() {
+            let _ = stdout.write_all(tail.as_bytes());
+        }
+    }
     if let Some(path) = &a.prompt_cache {
         session.cache.save_prefix(path, model_hash, &prompt, b"")?;
     }

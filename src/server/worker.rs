@@ -458,8 +458,15 @@ impl Answer<'_> {
         shutdown: &Shutdown,
     ) -> Result<Vec<Msg>, ApiError> {
         let prompt_tokens = self.prompt_tokens;
+        let mut msgs_before = Vec::new();
         match result {
             Ok(r) => {
+                if let Some(tail) = self.stream.finish() {
+                    let out = self.filter.push(&tail);
+                    if !out.is_empty() {
+                        msgs_before.push(Msg::Delta(out));
+                    }
+                }
                 let finish_reason = if self.filter.hit || r.eos_index.is_some() {
                     "stop"
                 } else {
@@ -472,7 +479,7 @@ impl Answer<'_> {
                     r.tpf
                 );
                 let rest = self.filter.finish();
-                let mut msgs = Vec::new();
+                let mut msgs = msgs_before;
                 if !rest.is_empty() {
                     msgs.push(Msg::Delta(rest));
                 }
