@@ -65,6 +65,104 @@ unsafe fn axpy_avx2(o: &mut [f32], p: f32, v: &[f32]) {
     axpy_generic(o, p, v)
 }
 
+/// Most (token, head) queries one task's fast path handles (8 tokens of up to 16 heads per KV
+/// head); beyond, the portable loop runs.
+#[cfg(target_arch = "x86_64")]
+const MAX_QUERIES: usize = 128;
+
+/// `put(i, dot(qs[i], k) * scale)` for every query, four at a time: four independent FMA chains
+/// hide the latency a single chain waits on. Each value is `dot(q, k, true) * scale` to the bit:
+/// the same eight lanes over the same chunks, summed in the same order, the same tail.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_avx2(qs: &[&[f32]], k: &[f32], scale: f32, mut put: impl FnMut(usize, f32)) {
+    use std::arch::x86_64::*;
+    let hd = k.len();
+    let n8 = hd / 8 * 8;
+    for (c, chunk) in qs.chunks(4).enumerate() {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut d = 0;
+        while d < n8 {
+            let kv = _mm256_loadu_ps(k.as_ptr().add(d));
+            for (i, q) in chunk.iter().enumerate() {
+                acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(d)), kv, acc[i]);
+            }
+            d += 8;
+        }
+        for (i, q) in chunk.iter().enumerate() {
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]);
+            let mut s = lanes.iter().sum::<f32>();
+            for (x, y) in q[n8..hd].iter().zip(&k[n8..hd]) {
+                s += x * y;
+            }
+            put(c * 4 + i, s * scale);
+        }
+    }
+}
+
+/// `out = sum over t of ps[t] * values[slots[t]]`, each output element accumulated over `t` in
+/// order with a fused multiply-add from 0, as `axpy(.., true)` entry by entry gives it, to the
+/// bit; the accumulators stay in registers (64 elements at a time) instead of memory.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_sum_avx2(
+    ps: &[f32],
+    slots: &[usize],
+    values: &[f32],
+    hd: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let n8 = hd / 8 * 8;
+    let mut d0 = 0;
+    while d0 + 64 <= n8 {
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for (&p, &slot) in ps.iter().zip(slots) {
+            let pv = _mm256_set1_ps(p);
+            let v = values.as_ptr().add(slot * hd + d0);
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * i)), *a);
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(d0 + 8 * i), *a);
+        }
+        d0 += 64;
+    }
+    while d0 < n8 {
+        let mut a = _mm256_setzero_ps();
+        for (&p, &slot) in ps.iter().zip(slots) {
+            let v = _mm256_loadu_ps(values.as_ptr().add(slot * hd + d0));
+            a = _mm256_fmadd_ps(_mm256_set1_ps(p), v, a);
+        }
+        _mm256_storeu_ps(out.as_mut_ptr().add(d0), a);
+        d0 += 8;
+    }
+    for (d, o) in out.iter_mut().enumerate().take(hd).skip(n8) {
+        let mut a = 0f32;
+        for (&p, &slot) in ps.iter().zip(slots) {
+            a = p.mul_add(values[slot * hd + d], a);
+        }
+        *o = a;
+    }
+}
+
+/// Tests set it to run the entry-by-entry loop where the fast path would run, to compare the
+/// two.
+#[cfg(all(test, target_arch = "x86_64"))]
+static FORCE_PORTABLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the fast path may run (always, but in the tests that compare it).
+#[cfg(target_arch = "x86_64")]
+fn fast_path_allowed() -> bool {
+    #[cfg(test)]
+    if FORCE_PORTABLE.load(std::sync::atomic::Ordering::SeqCst) {
+        return false;
+    }
+    true
+}
+
 /// Whether this CPU has AVX2 and FMA (checked once).
 fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -185,6 +283,27 @@ pub fn attend(
                 let i = toks.start + j;
                 &q[(i * n_heads + g * group + h) * head_dim..][..head_dim]
             };
+            #[cfg(target_arch = "x86_64")]
+            if avx2 && nt * group <= MAX_QUERIES && fast_path_allowed() {
+                if let (HeadView::F32(k), HeadView::F32(v)) = (&keys, &values) {
+                    let b = Block {
+                        q,
+                        n_heads,
+                        g,
+                        group,
+                        head_dim,
+                        toks: toks.clone(),
+                        visible,
+                        prefix,
+                        stride,
+                        scale,
+                    };
+                    // SAFETY: the CPU has AVX2 and FMA; this task writes only its own tokens'
+                    // heads of `out`, which outlives the call.
+                    unsafe { b.run_f32_avx2(k, v, &out_ptr) };
+                    continue;
+                }
+            }
             SCRATCH.with(|cell| {
                 let mut cell = cell.borrow_mut();
                 let (scores, kbuf) = &mut *cell;
@@ -221,16 +340,7 @@ pub fn attend(
                 for j in 0..nt {
                     let n_keys = shared + visible[toks.start + j].count;
                     for h in 0..group {
-                        let s = &mut scores[(j * group + h) * stride..][..n_keys];
-                        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                        let mut sum = 0f32;
-                        for x in s.iter_mut() {
-                            *x = (*x - max).exp();
-                            sum += *x;
-                        }
-                        for x in s.iter_mut() {
-                            *x /= sum;
-                        }
+                        softmax(&mut scores[(j * group + h) * stride..][..n_keys]);
                     }
                 }
                 // SAFETY: each task writes the (token, head group) parts of `out` that belong
@@ -274,6 +384,110 @@ pub fn attend(
     });
 }
 
+/// One task of [`attend`]: a block of one sequence's tokens and one KV head.
+#[cfg(target_arch = "x86_64")]
+struct Block<'a> {
+    q: &'a [f32],
+    n_heads: usize,
+    g: usize,
+    group: usize,
+    head_dim: usize,
+    toks: std::ops::Range<usize>,
+    visible: &'a [Visible<'a>],
+    prefix: &'a [Segment],
+    stride: usize,
+    scale: f32,
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// The fast path's scratch: scores, and the slots one token's values are summed over.
+    static FAST: RefCell<(Vec<f32>, Vec<usize>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Block<'_> {
+    /// The f32 cache on AVX2: the same values as the portable loop below, to the bit (the
+    /// kernels' notes), with the FMA chains of several queries interleaved.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_f32_avx2(&self, keys: &[f32], values: &[f32], out: &SharedOut) {
+        let (hd, group) = (self.head_dim, self.group);
+        let nt = self.toks.len();
+        let nq = nt * group;
+        let stride = self.stride;
+        let mut qs: [&[f32]; MAX_QUERIES] = [&[]; MAX_QUERIES];
+        for j in 0..nt {
+            for h in 0..group {
+                let i = self.toks.start + j;
+                qs[j * group + h] = &self.q[(i * self.n_heads + self.g * group + h) * hd..][..hd];
+            }
+        }
+        let qs = &qs[..nq];
+        let shared: usize = self.prefix.iter().map(|s| s.len).sum();
+        FAST.with(|cell| {
+            let mut cell = cell.borrow_mut();
+            let (scores, slots) = &mut *cell;
+            if scores.len() < nq * stride {
+                scores.resize(nq * stride, 0.0);
+            }
+            // Scores against the shared prefix: each key read once for every query.
+            let prefix_slots = self.prefix.iter().flat_map(|s| s.start..s.start + s.len);
+            for (t, slot) in prefix_slots.enumerate() {
+                let k = &keys[slot * hd..(slot + 1) * hd];
+                dots_avx2(qs, k, self.scale, |qi, v| scores[qi * stride + t] = v);
+            }
+            // Scores against each token's own row entries.
+            for j in 0..nt {
+                let vis = self.visible[self.toks.start + j];
+                let mine = &qs[j * group..(j + 1) * group];
+                for (u, &slot) in vis.row_slots[..vis.count].iter().enumerate() {
+                    let k = &keys[slot * hd..(slot + 1) * hd];
+                    dots_avx2(mine, k, self.scale, |h, v| {
+                        scores[(j * group + h) * stride + shared + u] = v
+                    });
+                }
+            }
+            for j in 0..nt {
+                let n_keys = shared + self.visible[self.toks.start + j].count;
+                for h in 0..group {
+                    softmax(&mut scores[(j * group + h) * stride..][..n_keys]);
+                }
+            }
+            slots.clear();
+            slots.extend(self.prefix.iter().flat_map(|s| s.start..s.start + s.len));
+            for j in 0..nt {
+                let vis = self.visible[self.toks.start + j];
+                slots.truncate(shared);
+                slots.extend_from_slice(&vis.row_slots[..vis.count]);
+                for h in 0..group {
+                    let i = self.toks.start + j;
+                    // SAFETY: the (token, head) slice belongs to this task only.
+                    let o = std::slice::from_raw_parts_mut(
+                        out.get().add((i * self.n_heads + self.g * group + h) * hd),
+                        hd,
+                    );
+                    let ps = &scores[(j * group + h) * stride..][..slots.len()];
+                    weighted_sum_avx2(ps, slots, values, hd, o);
+                }
+            }
+        });
+    }
+}
+
+/// Softmax in place, in f32, as torch computes it: the maximum, then each exponential, their
+/// sum in order, and each divided by it.
+fn softmax(s: &mut [f32]) {
+    let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let mut sum = 0f32;
+    for x in s.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    for x in s.iter_mut() {
+        *x /= sum;
+    }
+}
+
 /// The output buffer, shared by the pool's threads (each writes a disjoint part).
 struct SharedOut(*mut f32);
 
@@ -283,5 +497,78 @@ unsafe impl Sync for SharedOut {}
 impl SharedOut {
     fn get(&self) -> *mut f32 {
         self.0
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use crate::kv::{CacheShape, CacheType, KvCache, SeqId};
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// The AVX2 path gives the portable loop's floats to the bit, for head sizes with and
+    /// without a tail, one and several tokens, prefixes and rows.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_fast_path_gives_the_portable_loops_floats() {
+        if !has_avx2() {
+            return;
+        }
+        for (hd, nkv, nh, prefix, n) in [(128, 2, 8, 40, 5), (24, 2, 6, 9, 11), (64, 1, 3, 0, 3)] {
+            let shape = CacheShape {
+                n_layers: 1,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                capacity: 256,
+            };
+            let mut cache = KvCache::new(shape, CacheType::F32).unwrap();
+            let mut seed = 9u64;
+            let mut fill = |cache: &mut KvCache, rows: &[u32]| {
+                let pos: Vec<u32> = (0..rows.len() as u32).collect();
+                let slots = cache.allocate(rows, &pos).unwrap();
+                let k: Vec<f32> = (0..rows.len() * nkv * hd).map(|_| lcg(&mut seed)).collect();
+                let v: Vec<f32> = (0..rows.len() * nkv * hd).map(|_| lcg(&mut seed)).collect();
+                cache.write(0, &slots, &k, &v);
+            };
+            if prefix > 0 {
+                fill(&mut cache, &vec![0; prefix]);
+                cache.commit_row(0).unwrap();
+            }
+            let rows: Vec<u32> = (0..n as u32).map(|i| i % 3).collect();
+            fill(&mut cache, &rows);
+            let segments = cache.cells().segments(SeqId::DEFAULT).unwrap();
+            let mut counts = [0usize; 3];
+            let visible: Vec<Visible> = rows
+                .iter()
+                .map(|&r| {
+                    counts[r as usize] += 1;
+                    Visible {
+                        seq: 0,
+                        prefix: &segments,
+                        row_slots: cache.row_slots(r as usize),
+                        count: counts[r as usize],
+                    }
+                })
+                .collect();
+            let q: Vec<f32> = (0..n * nh * hd).map(|_| lcg(&mut seed)).collect();
+            let mut fast = vec![0f32; n * nh * hd];
+            attend(&q, &cache, 0, &visible, nh, nkv, hd, &mut fast);
+            FORCE_PORTABLE.store(true, std::sync::atomic::Ordering::SeqCst);
+            let mut portable = vec![0f32; n * nh * hd];
+            attend(&q, &cache, 0, &visible, nh, nkv, hd, &mut portable);
+            FORCE_PORTABLE.store(false, std::sync::atomic::Ordering::SeqCst);
+            assert!(
+                fast.iter()
+                    .zip(&portable)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "head_dim {hd}: the paths differ"
+            );
+        }
     }
 }
