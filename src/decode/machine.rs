@@ -81,6 +81,9 @@ pub struct Decoder {
     phase: Phase,
     /// The batch of the forward asked for (reused between forwards).
     batch: Batch,
+    /// For each token of the batch, the row of its logits (`usize::MAX`: not asked for). Only
+    /// the logits a phase reads are asked for: each is a product with the whole output layer.
+    logit_row: Vec<usize>,
 }
 
 impl Decoder {
@@ -107,6 +110,7 @@ impl Decoder {
             forward_sizes: Vec::new(),
             phase: Phase::Plan,
             batch: Batch::default(),
+            logit_row: Vec::new(),
         };
         d.start_block();
         d
@@ -133,7 +137,12 @@ impl Decoder {
         match &self.phase {
             Phase::Done => return Ok(Poll::Done),
             Phase::Plan => self.build_plan(),
-            Phase::Verify(pl) => build_verify(&mut self.batch, pl, &self.slots, self.k),
+            Phase::Verify(pl) => {
+                build_verify(&mut self.batch, pl, &self.slots, self.k);
+                // Token j of a slot is scored by token j-1's logits: not the slot's last.
+                let k = self.k;
+                want(&mut self.batch, &mut self.logit_row, |b| b % k != k - 1);
+            }
             Phase::Draft(inf) => {
                 on_event(Event::Infill {
                     slot_starts: &inf.row_slot_starts,
@@ -141,8 +150,22 @@ impl Decoder {
                     tags: &inf.tags,
                 });
                 build_rows(&mut self.batch, inf, self.k, Some(self.p.mask_id));
+                // Only the masked tokens' predictions are read.
+                let width = self.k - inf.a;
+                want(&mut self.batch, &mut self.logit_row, |b| {
+                    !inf.tags[b / width][inf.a + b % width]
+                });
             }
-            Phase::Recheck(inf) => build_rows(&mut self.batch, inf, self.k, None),
+            Phase::Recheck(inf) => {
+                build_rows(&mut self.batch, inf, self.k, None);
+                // Token j is scored by token j-1's logits, and only when j-1 was not verified
+                // (a row's first token, and one after a verified token, pass regardless).
+                let (width, a) = (self.k - inf.a, inf.a);
+                want(&mut self.batch, &mut self.logit_row, |b| {
+                    let (r, local) = (b / width, b % width);
+                    local + 1 < width && !inf.tags[r][a + local]
+                });
+            }
         }
         Ok(Poll::Forward(&self.batch))
     }
@@ -227,7 +250,9 @@ impl Decoder {
         }
         let n_gen = n_slots * k;
         let mut x0 = Vec::with_capacity(n_gen);
-        let mut x0_p = Vec::with_capacity(n_gen);
+        // Slot confidence: the probability of each slot's first token (the others' is never
+        // used, so never computed: a softmax over the vocabulary each).
+        let mut conf = Vec::with_capacity(n_slots);
         for j in 0..n_gen {
             let row = logits.row(j);
             let tok = if self.p.temperature > 0.0 {
@@ -236,16 +261,16 @@ impl Decoder {
                 argmax(row)
             };
             x0.push(tok as u32);
-            x0_p.push(prob(row, tok));
+            if j % k == 0 {
+                conf.push(prob(row, tok));
+            }
         }
         on_event(Event::Planned {
             slot_starts: &self.slots,
             slot_size: k,
             tokens: &x0,
         });
-        // Slot confidence: the first token's probability. Chosen: above the threshold, else
-        // the most confident slot.
-        let conf: Vec<f32> = (0..n_slots).map(|s| x0_p[s * k]).collect();
+        // Chosen: above the threshold, else the most confident slot.
         let mut chosen: Vec<usize> = (0..n_slots)
             .filter(|&s| conf[s] > self.p.slot_threshold)
             .collect();
@@ -284,7 +309,10 @@ impl Decoder {
             for j in 0..k {
                 let flat = c * k + j;
                 let pass = j == 0
-                    || prob(ver.row(flat - 1), x0[s * k + j] as usize) > self.p.token_threshold;
+                    || prob(
+                        logits_of(ver, &self.logit_row, flat - 1),
+                        x0[s * k + j] as usize,
+                    ) > self.p.token_threshold;
                 flat_mask.push(pass);
                 ok &= pass;
                 row.push(ok);
@@ -377,7 +405,8 @@ impl Decoder {
         for r in 0..inf.spec.len() {
             for j in inf.a..self.k {
                 if !inf.tags[r][j] {
-                    inf.spec[r][j] = argmax(dl.row(r * width + (j - inf.a))) as u32;
+                    let b = r * width + (j - inf.a);
+                    inf.spec[r][j] = argmax(logits_of(dl, &self.logit_row, b)) as u32;
                 }
             }
         }
@@ -400,13 +429,13 @@ impl Decoder {
             let old = inf.tags[r].clone();
             for j in a..k {
                 let local = j - a;
-                // Token j is scored by the logit of token j-1 (token a by its own).
-                let src = r * width + local.saturating_sub(1);
-                let mut pass = prob(vl.row(src), inf.spec[r][j] as usize) > self.p.token_threshold;
-                // A token whose predecessor was verified is accepted (at least one per row).
-                if local == 0 || old[j - 1] {
-                    pass = true;
-                }
+                // A token whose predecessor was verified is accepted (at least one per row);
+                // another is scored by the logits of token j-1.
+                let pass = local == 0 || old[j - 1] || {
+                    let src = r * width + local - 1;
+                    prob(logits_of(vl, &self.logit_row, src), inf.spec[r][j] as usize)
+                        > self.p.token_threshold
+                };
                 ok &= pass;
                 inf.tags[r][j] = ok;
             }
@@ -568,4 +597,24 @@ fn build_rows(b: &mut Batch, inf: &Infill, k: usize, mask: Option<u32>) {
             b.push(t, inf.row_pos[r][j], r as u32);
         }
     }
+}
+
+/// Asks for the logits of the batch's tokens `wanted` says, and records which row each gets.
+fn want(b: &mut Batch, logit_row: &mut Vec<usize>, wanted: impl Fn(usize) -> bool) {
+    logit_row.clear();
+    let mut indices = Vec::new();
+    for i in 0..b.len() {
+        if wanted(i) {
+            logit_row.push(indices.len());
+            indices.push(i);
+        } else {
+            logit_row.push(usize::MAX);
+        }
+    }
+    b.logits_for = LogitsFor::Indices(indices);
+}
+
+/// The logits of batch token `b` (one [`want`] asked for).
+fn logits_of<'l>(logits: &LogitsRef<'l>, logit_row: &[usize], b: usize) -> &'l [f32] {
+    logits.row(logit_row[b])
 }

@@ -107,9 +107,9 @@ pub struct LogitsRef<'a> {
     pub data: &'a [f32],
 }
 
-impl LogitsRef<'_> {
+impl<'a> LogitsRef<'a> {
     /// Logits of the `i`-th token asked for.
-    pub fn row(&self, i: usize) -> &[f32] {
+    pub fn row(&self, i: usize) -> &'a [f32] {
         &self.data[i * self.vocab..(i + 1) * self.vocab]
     }
 }

@@ -134,10 +134,31 @@ fn quantize_rows(x: &[f32], k: usize, out: &mut Vec<Q8K>) {
     let kb = k / QK;
     out.clear();
     out.resize(x.len() / k * kb, Q8K::ZERO);
+    let n = out.len();
+    // Many rows (a batch of requests) are quantized on every core: each block on its own, so
+    // a row's blocks are the same however the rows are split.
+    if n >= PARALLEL_QUANTIZE_BLOCKS {
+        struct Out(*mut Q8K);
+        // SAFETY: each task writes only the blocks of its own range.
+        unsafe impl Sync for Out {}
+        let dst = Out(out.as_mut_ptr());
+        candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+            let dst = &dst;
+            for b in range {
+                // SAFETY: `b < n`, and no other task writes block `b`.
+                let q = unsafe { &mut *dst.0.add(b) };
+                quantize_block(&x[b * QK..(b + 1) * QK], q);
+            }
+        });
+        return;
+    }
     for (x, q) in x.chunks_exact(QK).zip(out.iter_mut()) {
         quantize_block(x, q);
     }
 }
+
+/// Activation blocks from which quantizing them is spread over the cores.
+const PARALLEL_QUANTIZE_BLOCKS: usize = 64;
 
 /// Which of these kernels run on this CPU.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
