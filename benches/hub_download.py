@@ -93,7 +93,11 @@ def main():
     name = os.path.basename(a.file)
     quant = name.rsplit("-", 1)[-1].removesuffix(".gguf")
     etag = hashlib.sha256(name.encode() + str(os.path.getsize(a.file)).encode()).hexdigest()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), make_handler(a.file, name, etag))
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            pass  # a client closing a kept-alive connection at its exit
+
+    server = Server(("127.0.0.1", 0), make_handler(a.file, name, etag))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = "http://127.0.0.1:%d" % server.server_address[1]
     size = os.path.getsize(a.file)

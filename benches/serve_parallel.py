@@ -2,7 +2,7 @@
 """Aggregate throughput of `refusion serve` with many clients at once, at several --parallel.
 
     python3 benches/serve_parallel.py --bin target/release/refusion -m FILE.gguf
-        [--parallel 1,8] [--clients 8] [--requests 4] [--max-tokens 32] [-t 2] [--rss]
+        [--parallel 1,8] [--clients 8] [--requests 4] [--max-tokens 32] [-t 2] [--rss] [--max-id N]
         [-- EXTRA SERVE FLAGS]
 
 For each --parallel value: starts the server, lets CLIENTS threads send REQUESTS completions
@@ -80,7 +80,7 @@ def run(args, parallel):
 
     def client(i):
         for j in range(args.requests):
-            ids = [(i * 7919 + j * 104729 + k * 31) % 5000 + 100 for k in range(24)]
+            ids = [(i * 7919 + j * 104729 + k * 31) % args.max_id + 1 for k in range(24)]
             body = {"prompt": ids, "max_tokens": args.max_tokens, "temperature": 0,
                     "slot_size": 4, "serial_blocks": max(1, args.max_tokens // 16)}
             t = time.time()
@@ -144,6 +144,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rss", action="store_true")
+    ap.add_argument("--max-id", type=int, default=5000, help="prompt token ids are below this (the vocabulary)")
     ap.add_argument("extra", nargs="*")
     args = ap.parse_args()
     rows = [run(args, int(n)) for n in args.parallel.split(",")]
