@@ -15,7 +15,7 @@ use refusion::convert::gguf::GgufFile;
 use refusion::decode::{generate, DecodeParams, DecodeResult};
 use refusion::error::Error;
 use refusion::kv::CacheType;
-use refusion::model::Qwen3;
+use refusion::model::{Offload, Qwen3};
 use refusion::sched::{Request, Scheduler, Update};
 use serde_json::Value;
 
@@ -43,8 +43,17 @@ fn params(case: &Value) -> DecodeParams {
 }
 
 fn load(dir: &std::path::Path, out: &std::path::Path, outtype: &str) -> Qwen3 {
+    load_on(dir, out, outtype, None)
+}
+
+fn load_on(
+    dir: &std::path::Path,
+    out: &std::path::Path,
+    outtype: &str,
+    offload: Option<Offload>,
+) -> Qwen3 {
     convert_quiet(dir, out, outtype);
-    Qwen3::load_offloaded(Arc::new(GgufFile::open(out).unwrap()), None).unwrap()
+    Qwen3::load_offloaded(Arc::new(GgufFile::open(out).unwrap()), offload).unwrap()
 }
 
 /// A deterministic shuffle (xorshift).
@@ -83,17 +92,36 @@ fn request<'a>(
 
 #[test]
 fn every_golden_case_is_exact_through_the_scheduler() {
+    check_goldens_scheduled(None, &["pub-a", "pub-b", "pub-c"], &[1, 2, 4, 8]);
+}
+
+/// Several sequences over device-resident layers (candle's CPU device stands in for a GPU: the
+/// same tensor code), every layer and one layer offloaded.
+#[test]
+fn golden_cases_are_exact_through_the_scheduler_with_offloaded_layers() {
+    for layers in [usize::MAX, 1] {
+        let offload = Offload {
+            device: candle_core::Device::Cpu,
+            layers,
+            output: layers == usize::MAX,
+        };
+        check_goldens_scheduled(Some(offload), &["pub-c"], &[4]);
+    }
+}
+
+fn check_goldens_scheduled(offload: Option<Offload>, models: &[&str], limits: &[usize]) {
     let text = std::fs::read_to_string(fixtures().join("goldens_public.json")).unwrap();
     let goldens: Value = serde_json::from_str(&text).unwrap();
     let cases = goldens["cases"].as_array().unwrap();
     assert_eq!(cases.len(), 111);
     let tmp = tempfile::tempdir().unwrap();
     let mut failures = Vec::new();
-    for name in ["pub-a", "pub-b", "pub-c"] {
-        let model = load(
+    for &name in models {
+        let model = load_on(
             &fixture_model(name),
             &tmp.path().join(format!("{name}.gguf")),
             "f32",
+            offload.clone(),
         );
         let mine: Vec<&Value> = cases.iter().filter(|c| c["model"] == name).collect();
         let need = mine
@@ -105,7 +133,7 @@ fn every_golden_case_is_exact_through_the_scheduler() {
             })
             .max()
             .unwrap();
-        for (round, parallel) in [1usize, 2, 4, 8].into_iter().enumerate() {
+        for (round, &parallel) in limits.iter().enumerate() {
             let results: Results = RefCell::new(HashMap::new());
             let cache = model
                 .new_cache(parallel * need, CacheType::F32, None)
