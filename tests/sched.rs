@@ -241,7 +241,7 @@ fn a_requests_tokens_do_not_depend_on_its_neighbours_or_the_cache() {
             .collect();
         // Together, in shuffled orders, batch limits, and warm or cold prefix caches.
         let mut diffs = Vec::new();
-        for (round, parallel) in [3usize, 8, 5].into_iter().enumerate() {
+        for (round, parallel) in [8usize, 3].into_iter().enumerate() {
             let results: Results = RefCell::new(HashMap::new());
             let cache = model.new_cache(8 * 256, CacheType::F32, None).unwrap();
             let mut s = Scheduler::new(&model, cache, parallel);
@@ -266,7 +266,8 @@ fn a_requests_tokens_do_not_depend_on_its_neighbours_or_the_cache() {
                         diffs.push(format!("{outtype} -np {parallel} pass {pass}: request {i}"));
                     }
                 }
-                if pass == 0 && round == 1 {
+                if pass == 0 && round == 0 {
+                    // The second pass from a cold prefix cache.
                     s.clear_prefixes();
                 }
             }

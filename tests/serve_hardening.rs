@@ -377,9 +377,12 @@ fn start_long_stream(server: &Server) -> TcpStream {
 fn sigterm_cancels_the_generation_and_the_queue_and_closes_what_waits_at_once() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_refusion_gguf(tmp.path());
+    // One request decodes at a time, so that the second waits in the queue.
     let mut server = Server::start(
         &model,
         &[
+            "--parallel",
+            "1",
             "-c",
             "8192",
             "--max-gen-length",
