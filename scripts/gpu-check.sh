@@ -51,6 +51,8 @@ cuda_toolchain() {
 
 build_refusion() {
     echo "building refusion for compute capability $CUDA_COMPUTE_CAP ..." >&2
+    # cudaforge (candle's kernel build) runs nvcc on half the cores unless told.
+    export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
     cargo build --release --locked --features cuda --bin refusion --target-dir target/cuda >&2 || return 1
     # The goldens test binary, built ahead like the main one (it finds the binary and the
     # fixtures through REFUSION_BIN and REFUSION_REPO at run time).

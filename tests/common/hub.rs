@@ -58,7 +58,12 @@ pub struct Logged {
     pub status: u16,
     /// Body bytes sent (0 for HEAD and errors).
     pub body: usize,
+    /// Which request this was (the log may be cleared while a killed client's answer is
+    /// still going out, so entries are found by id, not by index).
+    id: u64,
 }
+
+static NEXT_REQUEST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 pub struct FakeHub {
     pub url: String,
@@ -349,16 +354,19 @@ fn serve(
         }
         _ => (status, (headers, body)) = (404, error("NotFound", "no such endpoint")),
     }
-    let entry = log.lock().unwrap().len();
+    let id = NEXT_REQUEST.fetch_add(1, Ordering::SeqCst);
     log.lock().unwrap().push(Logged {
         method: req.method.clone(),
         path: req.path.clone(),
         range: req.range.clone(),
         status,
         body: 0,
+        id,
     });
     // A client killed midway leaves what went out counted.
     respond(&stream, status, &headers, &body, !head, slow_body, &|n| {
-        log.lock().unwrap()[entry].body = n
+        if let Some(l) = log.lock().unwrap().iter_mut().rev().find(|l| l.id == id) {
+            l.body = n;
+        }
     })
 }
