@@ -123,6 +123,9 @@ def run(args, parallel):
         "p95_s": q(0.95),
         "forwards": int(fwd),
         "mean_forward_tokens": m.get("refusion_forward_tokens_total", 0) / max(fwd, 1),
+        "mean_forward_logit_rows": m.get("refusion_forward_logit_rows_total", 0) / max(fwd, 1),
+        "mean_forward_ms": 1e3 * m.get("refusion_forward_seconds_total", 0) / max(fwd, 1),
+        "mean_feed_ms": 1e3 * m.get("refusion_feed_seconds_total", 0) / max(fwd, 1),
     }
     if args.rss and samples:
         after_minute = [r for t, r in samples if t >= 60]
@@ -149,11 +152,13 @@ def main():
     args = ap.parse_args()
     rows = [run(args, int(n)) for n in args.parallel.split(",")]
     print(json.dumps(rows, indent=1), file=sys.stderr)
-    print("| --parallel | requests | failures | tokens/s | p50 s | p95 s | forwards | mean forward tokens |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --parallel | requests | failures | tokens/s | p50 s | p95 s | forwards | tokens / forward "
+          "| logit rows / forward | ms / forward | feed ms / forward |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['parallel']} | {r['requests']} | {r['failures']} | {r['tokens_per_s']:.1f} | {r['p50_s']:.2f} "
-              f"| {r['p95_s']:.2f} | {r['forwards']} | {r['mean_forward_tokens']:.1f} |")
+              f"| {r['p95_s']:.2f} | {r['forwards']} | {r['mean_forward_tokens']:.1f} "
+              f"| {r['mean_forward_logit_rows']:.1f} | {r['mean_forward_ms']:.1f} | {r['mean_feed_ms']:.1f} |")
     if len(rows) > 1:
         print(f"\nratio --parallel {rows[-1]['parallel']} / {rows[0]['parallel']}: "
               f"{rows[-1]['tokens_per_s'] / max(rows[0]['tokens_per_s'], 1e-9):.2f}x")

@@ -64,6 +64,11 @@ pub struct Stats {
     pub prompt_tokens_reused: u64,
     pub forwards: u64,
     pub forward_tokens: u64,
+    /// Rows of logits the forwards computed (each a product with the whole output layer).
+    pub forward_logit_rows: u64,
+    /// Seconds spent in forwards, and in handing their logits to the decoders.
+    pub forward_seconds: f64,
+    pub feed_seconds: f64,
     /// Tokens of the last forward, and how many requests it served.
     pub last_batch_tokens: usize,
     pub last_batch_requests: usize,
@@ -278,6 +283,7 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
                 }
             }
         }
+        let indices_len = indices.len();
         self.batch.logits_for = LogitsFor::Indices(indices);
         let served = parts.iter().filter(|p| p.is_some()).count();
         let logits = if self.batch.is_empty() {
@@ -287,8 +293,13 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
             self.stats.forward_tokens += self.batch.len() as u64;
             self.stats.last_batch_tokens = self.batch.len();
             self.stats.last_batch_requests = served;
-            Some(self.model.forward(&self.batch, &mut self.cache)?)
+            self.stats.forward_logit_rows += indices_len as u64;
+            let t = std::time::Instant::now();
+            let logits = self.model.forward(&self.batch, &mut self.cache)?;
+            self.stats.forward_seconds += t.elapsed().as_secs_f64();
+            Some(logits)
         };
+        let fed_at = std::time::Instant::now();
         let vocab = self.model.config().vocab;
         // (index in running, the error that ends it early)
         let mut done: Vec<(usize, Option<Error>)> = Vec::new();
@@ -328,6 +339,7 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
                 done.push((i, None));
             }
         }
+        self.stats.feed_seconds += fed_at.elapsed().as_secs_f64();
         for (i, err) in done.into_iter().rev() {
             let mut r = self.running.remove(i);
             let result = match err {

@@ -540,6 +540,24 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         st.forward_tokens.to_string(),
     );
     metric(
+        "forward_logit_rows_total",
+        "counter",
+        "Rows of logits computed (each a product with the whole output layer).",
+        st.forward_logit_rows.to_string(),
+    );
+    metric(
+        "forward_seconds_total",
+        "counter",
+        "Seconds spent in forwards.",
+        format!("{:.6}", st.forward_seconds),
+    );
+    metric(
+        "feed_seconds_total",
+        "counter",
+        "Seconds spent handing the forwards' logits to the decoders (argmax, probabilities).",
+        format!("{:.6}", st.feed_seconds),
+    );
+    metric(
         "requests_running",
         "gauge",
         "Requests decoding now.",

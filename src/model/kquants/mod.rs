@@ -24,12 +24,14 @@
 //! names; on other CPUs (and `generic`) [`available`] is false and the model uses candle's
 //! kernels.
 
+mod acts;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod scalar;
 
+use acts::{quantize_rows, stored_at, Q8K};
 use refusion_convert::gguf::GgmlType;
 
 /// Asks for the tile `PREFETCH_TILES` ahead of `tile` (reads past a run's last tile are
@@ -49,116 +51,6 @@ unsafe fn prefetch_ahead(tile: *const u8, tile_bytes: usize) {
 const QK: usize = 256;
 /// Weight rows per unit of work handed to a worker.
 const ROWS_PER_UNIT: usize = 16;
-
-/// One block of 256 activations quantized to i8 with one f32 scale, and sums of each 16
-/// (for the weights' minimum/offset terms). `qs` is stored in Q4_K's nibble order: per 128
-/// values, `[0..32, 64..96, 32..64, 96..128]`, so a 64-byte load pairs with a 64-byte run
-/// of Q4_K quants' low (or high) nibbles. `bsums` keep the natural order.
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-pub struct Q8K {
-    qs: [i8; QK],
-    bsums: [i16; QK / 16],
-    /// `bsums` as f32, and summed in pairs (per 32 values), for the tiled kernels.
-    fsum16: [f32; QK / 16],
-    fsum32: [f32; QK / 32],
-    d: f32,
-}
-
-impl Q8K {
-    const ZERO: Q8K = Q8K {
-        qs: [0; QK],
-        bsums: [0; QK / 16],
-        fsum16: [0.0; QK / 16],
-        fsum32: [0.0; QK / 32],
-        d: 0.0,
-    };
-}
-
-/// Where value `i` (natural order) of a block is stored in [`Q8K::qs`].
-#[inline(always)]
-const fn stored_at(i: usize) -> usize {
-    let half = i / 128 * 128;
-    let j = i % 128;
-    // [0..32) -> [0..32), [32..64) -> [64..96), [64..96) -> [32..64), [96..128) stay.
-    half + match j / 32 {
-        1 => j + 32,
-        2 => j - 32,
-        _ => j,
-    }
-}
-
-/// Rounds to the nearest integer (ties to even) for |f| < 2^22, without a libm call, so
-/// the loop vectorizes (ggml's trick).
-#[inline(always)]
-fn nearest_int(f: f32) -> i32 {
-    let v = f + 12_582_912.0;
-    (v.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
-}
-
-/// Quantizes one block as ggml's Q8_K does (round to nearest, scale from the signed maximum).
-fn quantize_block(x: &[f32], out: &mut Q8K) {
-    let (mut max, mut amax) = (0f32, 0f32);
-    for &v in x {
-        if v.abs() > amax {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    if amax == 0.0 {
-        *out = Q8K::ZERO;
-        return;
-    }
-    let iscale = -127.0 / max;
-    let mut q = [0i8; QK];
-    for (q, &v) in q.iter_mut().zip(x) {
-        *q = nearest_int(iscale * v).min(127) as i8;
-    }
-    for (s, chunk) in out.bsums.iter_mut().zip(q.chunks_exact(16)) {
-        *s = chunk.iter().map(|&v| v as i16).sum();
-    }
-    for (i, &v) in q.iter().enumerate() {
-        out.qs[stored_at(i)] = v;
-    }
-    for (f, &b) in out.fsum16.iter_mut().zip(&out.bsums) {
-        *f = b as f32;
-    }
-    for (f, b) in out.fsum32.iter_mut().zip(out.bsums.chunks_exact(2)) {
-        *f = (b[0] + b[1]) as f32;
-    }
-    out.d = 1.0 / iscale;
-}
-
-/// Quantizes `m` rows of `k` activations (`k` a multiple of 256) into `out`.
-fn quantize_rows(x: &[f32], k: usize, out: &mut Vec<Q8K>) {
-    let kb = k / QK;
-    out.clear();
-    out.resize(x.len() / k * kb, Q8K::ZERO);
-    let n = out.len();
-    // Many rows (a batch of requests) are quantized on every core: each block on its own, so
-    // a row's blocks are the same however the rows are split.
-    if n >= PARALLEL_QUANTIZE_BLOCKS {
-        struct Out(*mut Q8K);
-        // SAFETY: each task writes only the blocks of its own range.
-        unsafe impl Sync for Out {}
-        let dst = Out(out.as_mut_ptr());
-        candle_core::utils::barrier_pool().execute_chunked(n, |range| {
-            let dst = &dst;
-            for b in range {
-                // SAFETY: `b < n`, and no other task writes block `b`.
-                let q = unsafe { &mut *dst.0.add(b) };
-                quantize_block(&x[b * QK..(b + 1) * QK], q);
-            }
-        });
-        return;
-    }
-    for (x, q) in x.chunks_exact(QK).zip(out.iter_mut()) {
-        quantize_block(x, q);
-    }
-}
-
-/// Activation blocks from which quantizing them is spread over the cores.
-const PARALLEL_QUANTIZE_BLOCKS: usize = 64;
 
 /// Which of these kernels run on this CPU.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
