@@ -273,3 +273,57 @@ fn tensor_bytes_read_from_the_file_match_the_map() {
     let err = file.read_tensor_bytes(&t, u64::MAX, &mut buf).unwrap_err();
     assert!(err.to_string().contains("past the end"), "{err}");
 }
+
+/// The host path (plain buffers, our kernels, element-wise work on the worker pool) gives the
+/// logits of candle's tensor path to the bit, on the trained tiny model's quantized files (its
+/// rows are multiples of 256, so every weight runs on our kernels): a prompt, a planning call
+/// with masks, and a batch of several rows large enough for the parallel element-wise work.
+#[test]
+fn the_host_path_gives_the_tensor_paths_logits_to_the_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = fixtures().join("../../models/refusion-tiny");
+    for outtype in ["q8_0", "q4_k_m"] {
+        let out = tmp.path().join(format!("{outtype}.gguf"));
+        convert_quiet(&ckpt, &out, outtype);
+        let file = Arc::new(GgufFile::open(&out).unwrap());
+        let host = Qwen3::load(file.clone(), &Device::Cpu).unwrap();
+        let mut tensors = Qwen3::load(file, &Device::Cpu).unwrap();
+        tensors.use_tensor_path();
+        assert!(host.uses_host_path() && !tensors.uses_host_path());
+        let vocab = host.config().vocab as u32;
+        let mask = vocab - 1;
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % (vocab - 8)).collect();
+        let prefill = Batch::row(&prompt, &(0..40).collect::<Vec<_>>(), 0);
+        // Planning: 16 masks after the prompt, logits for all.
+        let plan = Batch::row(&[mask; 16], &(40..56).collect::<Vec<_>>(), 0);
+        // 12 rows of 8 tokens, logits for every other token.
+        let mut rows = Batch::default();
+        for r in 0..12u32 {
+            for j in 0..8u32 {
+                rows.push((r * 101 + j * 7) % (vocab - 8), 40 + r * 8 + j, r);
+            }
+        }
+        rows.logits_for = LogitsFor::Indices((0..96).step_by(2).collect());
+        let mut caches: Vec<KvCache> = (0..2)
+            .map(|_| KvCache::new(host.cache_shape(256), CacheType::F32).unwrap())
+            .collect();
+        for (name, b) in [("prefill", &prefill), ("plan", &plan), ("rows", &rows)] {
+            let a = host.forward(b, &mut caches[0]).unwrap();
+            let t = tensors.forward(b, &mut caches[1]).unwrap();
+            assert_eq!(a.data.len(), t.data.len(), "{outtype} {name}");
+            let differ = a
+                .data
+                .iter()
+                .zip(&t.data)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert_eq!(differ, 0, "{outtype} {name}: {differ} logits differ");
+            for c in &mut caches {
+                match name {
+                    "prefill" => c.commit_row(0).unwrap(),
+                    _ => c.clear_rows(),
+                }
+            }
+        }
+    }
+}

@@ -163,15 +163,19 @@ pub fn generate_cancellable<M: Forward + ?Sized>(
     }
     cache.clear_rows();
     let mut dec = Decoder::new(prompt, cached, params);
+    let mut logits = crate::model::Logits {
+        vocab: model.config().vocab,
+        data: Vec::new(),
+    };
     loop {
         if dec.at_step_boundary() && cancel.load(Ordering::Relaxed) {
             cache.clear_rows();
             return Err(Error::Cancelled);
         }
-        let logits = match dec.poll(on_event)? {
+        match dec.poll(on_event)? {
             Poll::Done => break,
-            Poll::Forward(batch) => model.forward(batch, cache)?,
-        };
+            Poll::Forward(batch) => model.forward_into(batch, cache, &mut logits)?,
+        }
         dec.feed(&logits.view(), &mut cache.seq(SeqId::DEFAULT), on_event)?;
     }
     Ok(dec.result())

@@ -29,7 +29,8 @@ impl Linear {
         Some(Linear::Packed(packed))
     }
 
-    fn weight(&self) -> Option<&PackedMatrix> {
+    /// The repacked weight, when it runs on our kernels.
+    pub fn weight(&self) -> Option<&PackedMatrix> {
         match self {
             Linear::Packed(p) => Some(p),
             Linear::Candle(_) => None,

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod config;
 pub mod device_attention;
+mod host;
 pub mod kquants;
 mod linear;
 mod mapped;
@@ -145,4 +146,10 @@ pub struct Offload {
 pub trait Forward {
     fn config(&self) -> &Qwen3Config;
     fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Logits>;
+    /// [`Forward::forward`] into `out`, whose buffer is reused (a caller that forwards again
+    /// and again keeps one and spares a large allocation per call).
+    fn forward_into(&self, batch: &Batch, cache: &mut KvCache, out: &mut Logits) -> Result<()> {
+        *out = self.forward(batch, cache)?;
+        Ok(())
+    }
 }

@@ -20,6 +20,8 @@ use refusion_convert::quant;
 
 use super::attention::{attend, Visible};
 use super::device_attention::{self, DeviceVisibility};
+use super::host::{self, sized, RopeTable, Scratch};
+use super::kquants::{matmul_many, PackedMatrix};
 use super::linear::Linear;
 use super::{Batch, Forward, Logits, Offload, Qwen3Config};
 use crate::error::{Error, Result};
@@ -59,6 +61,46 @@ struct Layer {
     ffn_gate: Linear,
     ffn_up: Linear,
     ffn_down: Linear,
+    /// The norms as host vectors when the layer runs on the host path (on the CPU, every
+    /// weight on our kernels): plain buffers, no tensors.
+    host: Option<HostNorms>,
+}
+
+struct HostNorms {
+    attn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    ffn: Vec<f32>,
+}
+
+/// The hidden states between layers: a tensor on the layer's device, or a host buffer.
+enum Hidden {
+    Tensor(Tensor),
+    Host(Vec<f32>),
+}
+
+impl Hidden {
+    /// As a host buffer (moved off its device, once).
+    fn host(&mut self) -> Result<&mut Vec<f32>> {
+        if let Hidden::Tensor(t) = self {
+            *self = Hidden::Host(t.flatten_all()?.to_vec1::<f32>()?);
+        }
+        match self {
+            Hidden::Host(v) => Ok(v),
+            Hidden::Tensor(_) => unreachable!("converted above"),
+        }
+    }
+
+    /// As a tensor of `n` rows on `device`.
+    fn tensor(self, n: usize, device: &Device) -> Result<Tensor> {
+        Ok(match self {
+            Hidden::Tensor(t) => t.to_device(device)?,
+            Hidden::Host(v) => {
+                let h = v.len() / n.max(1);
+                Tensor::from_vec(v, (n, h), &Device::Cpu)?.to_device(device)?
+            }
+        })
+    }
 }
 
 pub struct Qwen3 {
@@ -77,6 +119,10 @@ pub struct Qwen3 {
     /// RoPE inverse frequencies, computed in f32 as transformers does.
     inv_freq: Vec<f32>,
     output_device: Device,
+    /// `output_norm` as a host vector when the output layer runs on the host path.
+    output_norm_host: Option<Vec<f32>>,
+    /// The host path's buffers (one forward at a time holds them).
+    scratch: std::sync::Mutex<Scratch>,
 }
 
 struct Loader<'a> {
@@ -203,7 +249,7 @@ impl Qwen3 {
                 mmap,
             };
             let n = |s: &str| format!("blk.{l}.{s}.weight");
-            Ok(Layer {
+            Layer {
                 device: ld.device.clone(),
                 attn_norm: ld.vector(&n("attn_norm"))?,
                 attn_q: ld.matmul(&n("attn_q"))?,
@@ -216,7 +262,9 @@ impl Qwen3 {
                 ffn_gate: ld.matmul(&n("ffn_gate"))?,
                 ffn_up: ld.matmul(&n("ffn_up"))?,
                 ffn_down: ld.matmul(&n("ffn_down"))?,
-            })
+                host: None,
+            }
+            .with_host_norms()
         };
         let mut loaded: Vec<(usize, Result<Layer>)> =
             (0..n_gpu).map(|l| (l, load_layer(l))).collect();
@@ -271,6 +319,10 @@ impl Qwen3 {
         };
         let output_device = ld.device;
         output.prepack()?;
+        let output_norm_host = match (output_device.is_cpu(), output.weight()) {
+            (true, Some(_)) => Some(output_norm.to_vec1::<f32>()?),
+            _ => None,
+        };
         release_prefix(
             &file,
             if cfg.tied_output {
@@ -295,6 +347,8 @@ impl Qwen3 {
             output,
             inv_freq,
             output_device,
+            output_norm_host,
+            scratch: std::sync::Mutex::new(Scratch::default()),
         })
     }
 
@@ -306,6 +360,20 @@ impl Qwen3 {
     /// Layers whose weights and K/V live on the accelerator.
     pub fn gpu_layers(&self) -> usize {
         self.offload.as_ref().map_or(0, |o| o.layers)
+    }
+
+    /// Runs every layer through candle's tensors, not the host path's plain buffers (tests
+    /// compare the two: the same logits to the bit).
+    pub fn use_tensor_path(&mut self) {
+        for l in &mut self.layers {
+            l.host = None;
+        }
+        self.output_norm_host = None;
+    }
+
+    /// Whether any layer runs on the host path.
+    pub fn uses_host_path(&self) -> bool {
+        self.layers.iter().any(|l| l.host.is_some())
     }
 
     /// Sets the most tokens one chunk of a forward holds (at least 1).
@@ -342,7 +410,7 @@ impl Qwen3 {
     }
 
     /// Decodes the embedding rows of `tokens`, read from the file.
-    fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+    fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
         let h = self.cfg.hidden;
         let t = &self.token_embd;
         let row_bytes = t.ty.row_bytes(t.ne[0]).unwrap_or(0) as usize;
@@ -361,31 +429,7 @@ impl Qwen3 {
                 .read_tensor_bytes(t, (tok * row_bytes) as u64, &mut row)?;
             quant::dequantize(t.ty, &row, &mut out[i * h..(i + 1) * h]);
         }
-        Ok(Tensor::from_vec(out, (tokens.len(), h), &Device::Cpu)?)
-    }
-
-    /// Rotates `x` (`[n, heads, head_dim]`) in place, token `i` at `positions[i]`
-    /// (rotate-half layout, as transformers' Qwen3).
-    fn rope(&self, x: &mut [f32], positions: &[u32], heads: usize) {
-        let hd = self.cfg.head_dim;
-        let half = hd / 2;
-        let mut cos = vec![0f32; half];
-        let mut sin = vec![0f32; half];
-        for (i, &p) in positions.iter().enumerate() {
-            for (j, &f) in self.inv_freq.iter().enumerate() {
-                let angle = p as f32 * f;
-                cos[j] = angle.cos();
-                sin[j] = angle.sin();
-            }
-            for h in 0..heads {
-                let v = &mut x[(i * heads + h) * hd..(i * heads + h + 1) * hd];
-                for j in 0..half {
-                    let (a, b) = (v[j], v[j + half]);
-                    v[j] = a * cos[j] + (-b) * sin[j];
-                    v[j + half] = b * cos[j] + a * sin[j];
-                }
-            }
-        }
+        Ok(out)
     }
 }
 
@@ -396,8 +440,6 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(x, w, eps as f32)?)
 }
 
-/// Drops this process's pages of the tensors whose names start with `prefix` (file-backed:
-/// a later read faults them back in from the page cache).
 /// Drops the pages of the tensors under `prefix` from this process (they were copied or
 /// packed).
 fn release_prefix(file: &GgufFile, prefix: &str) {
@@ -412,6 +454,93 @@ fn release_prefix(file: &GgufFile, prefix: &str) {
 }
 
 impl Layer {
+    /// Sets `host` when every weight runs on our kernels on the CPU.
+    fn with_host_norms(mut self) -> Result<Layer> {
+        if self.device.is_cpu() && self.packed().is_some() {
+            self.host = Some(HostNorms {
+                attn: self.attn_norm.to_vec1()?,
+                q: self.attn_q_norm.to_vec1()?,
+                k: self.attn_k_norm.to_vec1()?,
+                ffn: self.ffn_norm.to_vec1()?,
+            });
+        }
+        Ok(self)
+    }
+
+    /// q, k, v, the attention's output, gate, up and down, when all are on our kernels.
+    fn packed(&self) -> Option<[&PackedMatrix; 7]> {
+        Some([
+            self.attn_q.weight()?,
+            self.attn_k.weight()?,
+            self.attn_v.weight()?,
+            self.attn_output.weight()?,
+            self.ffn_gate.weight()?,
+            self.ffn_up.weight()?,
+            self.ffn_down.weight()?,
+        ])
+    }
+
+    /// The layer on the host path: `x` (`n` rows) updated in place, every step into `s`.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_host(
+        &self,
+        l: usize,
+        cfg: &Qwen3Config,
+        x: &mut [f32],
+        c: &Chunk<'_>,
+        rope: &RopeTable,
+        s: &mut Scratch,
+        cache: &mut KvCache,
+    ) -> Result<()> {
+        let (Some(norms), Some([wq, wk, wv, wo, wg, wu, wd])) = (&self.host, self.packed()) else {
+            return Err(Error::msg(format!("layer {l} is not on the host path")));
+        };
+        let n = c.tokens.len();
+        let (nh, nkv, hd, eps) = (
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            cfg.rms_eps as f32,
+        );
+        let Scratch {
+            h,
+            q,
+            k,
+            v,
+            attn,
+            o,
+            gate,
+            up,
+        } = s;
+        // Attention.
+        let h = sized(h, x.len());
+        host::rms_norm(x, &norms.attn, eps, h);
+        let (q, k, v) = (
+            sized(q, n * wq.rows()),
+            sized(k, n * wk.rows()),
+            sized(v, n * wv.rows()),
+        );
+        matmul_many(&[wq, wk, wv], h, n, &mut [&mut *q, &mut *k, &mut *v]);
+        host::rms_norm_in_place(q, &norms.q, eps);
+        host::rms_norm_in_place(k, &norms.k, eps);
+        rope.apply(q, nh);
+        rope.apply(k, nkv);
+        cache.write(l, c.slots, k, v);
+        let attn = sized(attn, n * nh * hd);
+        attend(q, cache, l, &c.visible_in(cache), nh, nkv, hd, attn);
+        let o = sized(o, x.len());
+        matmul_many(&[wo], attn, n, &mut [&mut *o]);
+        host::add_in_place(x, o);
+        // Feed-forward.
+        host::rms_norm(x, &norms.ffn, eps, h);
+        let (gate, up) = (sized(gate, n * wg.rows()), sized(up, n * wu.rows()));
+        matmul_many(&[wg, wu], h, n, &mut [&mut *gate, &mut *up]);
+        host::swiglu_in_place(gate, up);
+        matmul_many(&[wd], gate, n, &mut [&mut *o]);
+        host::add_in_place(x, o);
+        Ok(())
+    }
+
     fn prepack(&self) -> Result<()> {
         for m in [
             &self.attn_q,
@@ -452,12 +581,35 @@ struct Chunk<'a> {
     wanted: Vec<usize>,
 }
 
+impl Chunk<'_> {
+    /// What each token sees, as the attention reads it (after this layer's entries landed).
+    fn visible_in<'c>(&'c self, cache: &'c KvCache) -> Vec<Visible<'c>> {
+        let prefix_of = |seq: u32| {
+            self.prefixes
+                .iter()
+                .find(|(s, _)| *s == seq)
+                .map_or(&[][..], |(_, p)| p.as_slice())
+        };
+        self.visible
+            .iter()
+            .map(|&(seq, r, count)| Visible {
+                seq,
+                prefix: prefix_of(seq),
+                row_slots: cache.cells().row_slots(SeqId(seq), r),
+                count,
+            })
+            .collect()
+    }
+}
+
 impl Qwen3 {
-    fn forward_chunk(&self, c: &Chunk<'_>, cache: &mut KvCache) -> Result<Option<Tensor>> {
+    /// Runs one chunk through every layer; the logits of the tokens in `c.wanted` go to `out`
+    /// (`wanted x vocab`, resized; left empty when none are wanted).
+    fn forward_chunk(&self, c: &Chunk<'_>, cache: &mut KvCache, out: &mut Vec<f32>) -> Result<()> {
         let cfg = &self.cfg;
         let n = c.tokens.len();
-        let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
-        let mut x = self.embed(c.tokens)?;
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let mut x = Hidden::Host(self.embed(c.tokens)?);
         let vis = match &self.offload {
             Some(o) if o.layers > 0 => Some(DeviceVisibility::new(
                 cache,
@@ -469,66 +621,98 @@ impl Qwen3 {
             )?),
             _ => None,
         };
-        let mut attn = Vec::new();
+        let rope = RopeTable::new(c.positions, &self.inv_freq);
         for (l, layer) in self.layers.iter().enumerate() {
-            x = x.to_device(&layer.device)?;
-            let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
-            let [q, k, v]: [Tensor; 3] =
-                Linear::forward_shared(&[&layer.attn_q, &layer.attn_k, &layer.attn_v], &h)?
-                    .try_into()
-                    .map_err(|_| Error::msg("q, k and v"))?;
-            let q = q.reshape((n, nh, hd))?;
-            let k = k.reshape((n, nkv, hd))?;
-            let q = rms_norm(&q, &layer.attn_q_norm, cfg.rms_eps)?;
-            let k = rms_norm(&k, &layer.attn_k_norm, cfg.rms_eps)?;
-            let a = match &vis {
-                Some(vis) if l < cache.device_layers() => {
-                    let q = device_attention::rope(&q, vis)?;
-                    let k = device_attention::rope(&k, vis)?;
-                    let v = v.reshape((n, nkv, hd))?;
-                    cache.write_device(l, &vis.write_index, &k, &v)?;
-                    device_attention::attend(&q, cache.device_layer(l), vis, self.attn_tile)?
-                }
-                _ => {
-                    let mut q = q.flatten_all()?.to_vec1::<f32>()?;
-                    let mut k = k.flatten_all()?.to_vec1::<f32>()?;
-                    let v = v.flatten_all()?.to_vec1::<f32>()?;
-                    self.rope(&mut q, c.positions, nh);
-                    self.rope(&mut k, c.positions, nkv);
-                    cache.write(l, c.slots, &k, &v);
-                    let prefix_of = |seq: u32| {
-                        c.prefixes
-                            .iter()
-                            .find(|(s, _)| *s == seq)
-                            .map_or(&[][..], |(_, p)| p.as_slice())
-                    };
-                    let visible: Vec<Visible> = c
-                        .visible
-                        .iter()
-                        .map(|&(seq, r, count)| Visible {
-                            seq,
-                            prefix: prefix_of(seq),
-                            row_slots: cache.cells().row_slots(SeqId(seq), r),
-                            count,
-                        })
-                        .collect();
-                    attn.resize(n * nh * hd, 0.0);
-                    attend(&q, cache, l, &visible, nh, nkv, hd, &mut attn);
-                    Tensor::from_slice(&attn, (n, nh * hd), &layer.device)?
-                }
-            };
-            x = (x + layer.attn_output.forward(&a)?)?;
-            x = layer.ffn(x, cfg.rms_eps)?;
+            if layer.host.is_some() {
+                let h = x.host()?;
+                layer.forward_host(l, cfg, h, c, &rope, &mut scratch, cache)?;
+            } else {
+                let t = x.tensor(n, &layer.device)?;
+                x = Hidden::Tensor(self.forward_tensors(
+                    l,
+                    layer,
+                    t,
+                    c,
+                    &rope,
+                    vis.as_ref(),
+                    cache,
+                )?);
+            }
         }
+        out.clear();
         if c.wanted.is_empty() {
-            return Ok(None);
+            return Ok(());
         }
-        let x = x.to_device(&self.output_device)?;
+        if let (Some(norm), Some(w)) = (&self.output_norm_host, self.output.weight()) {
+            // The wanted rows, normalized, times the output layer straight into `out`.
+            let x = x.host()?;
+            let hsz = cfg.hidden;
+            let h = sized(&mut scratch.h, c.wanted.len() * hsz);
+            for (dst, &i) in h.chunks_exact_mut(hsz).zip(&c.wanted) {
+                dst.copy_from_slice(&x[i * hsz..(i + 1) * hsz]);
+            }
+            host::rms_norm_in_place(h, norm, cfg.rms_eps as f32);
+            out.resize(c.wanted.len() * w.rows(), 0.0);
+            matmul_many(&[w], h, c.wanted.len(), &mut [&mut out[..]]);
+            return Ok(());
+        }
+        let x = x.tensor(n, &self.output_device)?;
         let idx: Vec<u32> = c.wanted.iter().map(|&i| i as u32).collect();
         let idx = Tensor::from_vec(idx, c.wanted.len(), &self.output_device)?;
         let x = x.index_select(&idx, 0)?;
         let x = rms_norm(&x, &self.output_norm, cfg.rms_eps)?;
-        Ok(Some(self.output.forward(&x)?.to_dtype(DType::F32)?))
+        let logits = self.output.forward(&x)?.to_dtype(DType::F32)?;
+        out.extend(logits.flatten_all()?.to_vec1::<f32>()?);
+        Ok(())
+    }
+
+    /// A layer through candle's tensors: on an accelerator, or on the CPU with some weight
+    /// that our kernels do not run.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_tensors(
+        &self,
+        l: usize,
+        layer: &Layer,
+        x: Tensor,
+        c: &Chunk<'_>,
+        rope: &RopeTable,
+        vis: Option<&DeviceVisibility>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let n = c.tokens.len();
+        let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+        let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
+        let [q, k, v]: [Tensor; 3] =
+            Linear::forward_shared(&[&layer.attn_q, &layer.attn_k, &layer.attn_v], &h)?
+                .try_into()
+                .map_err(|_| Error::msg("q, k and v"))?;
+        let q = q.reshape((n, nh, hd))?;
+        let k = k.reshape((n, nkv, hd))?;
+        let q = rms_norm(&q, &layer.attn_q_norm, cfg.rms_eps)?;
+        let k = rms_norm(&k, &layer.attn_k_norm, cfg.rms_eps)?;
+        let a = match vis {
+            Some(vis) if l < cache.device_layers() => {
+                let q = device_attention::rope(&q, vis)?;
+                let k = device_attention::rope(&k, vis)?;
+                let v = v.reshape((n, nkv, hd))?;
+                cache.write_device(l, &vis.write_index, &k, &v)?;
+                device_attention::attend(&q, cache.device_layer(l), vis, self.attn_tile)?
+            }
+            _ => {
+                let mut q = q.flatten_all()?.to_vec1::<f32>()?;
+                let mut k = k.flatten_all()?.to_vec1::<f32>()?;
+                let v = v.flatten_all()?.to_vec1::<f32>()?;
+                rope.apply(&mut q, nh);
+                rope.apply(&mut k, nkv);
+                cache.write(l, c.slots, &k, &v);
+                let mut attn = vec![0f32; n * nh * hd];
+                attend(&q, cache, l, &c.visible_in(cache), nh, nkv, hd, &mut attn);
+                Tensor::from_vec(attn, (n, nh * hd), &layer.device)?
+            }
+        };
+        let x = (x + layer.attn_output.forward(&a)?)?;
+        layer.ffn(x, cfg.rms_eps)
     }
 }
 
@@ -538,7 +722,17 @@ impl Forward for Qwen3 {
     }
 
     fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Logits> {
+        let mut out = Logits {
+            vocab: self.cfg.vocab,
+            data: Vec::new(),
+        };
+        self.forward_into(batch, cache, &mut out)?;
+        Ok(out)
+    }
+
+    fn forward_into(&self, batch: &Batch, cache: &mut KvCache, out: &mut Logits) -> Result<()> {
         let cfg = &self.cfg;
+        out.vocab = cfg.vocab;
         let n = batch.len();
         if batch.positions.len() != n
             || batch.rows.len() != n
@@ -555,10 +749,8 @@ impl Forward for Qwen3 {
             )));
         }
         if n == 0 {
-            return Ok(Logits {
-                vocab: cfg.vocab,
-                data: Vec::new(),
-            });
+            out.data.clear();
+            return Ok(());
         }
         if cache.device_layers() != self.gpu_layers() {
             return Err(Error::msg(format!(
@@ -601,24 +793,17 @@ impl Forward for Qwen3 {
             prefixes: &prefixes,
             wanted,
         };
-        let as_vec = |t: Option<Tensor>| -> Result<Vec<f32>> {
-            Ok(match t {
-                Some(t) => t.flatten_all()?.to_vec1::<f32>()?,
-                None => Vec::new(),
-            })
-        };
         if n <= self.ubatch {
-            // One chunk: its logits come out in the order asked for, no copy.
-            let data = as_vec(self.forward_chunk(&chunk(0, n, wanted), cache)?)?;
-            return Ok(Logits {
-                vocab: cfg.vocab,
-                data,
-            });
+            // One chunk: its logits come out in the order asked for, into `out`, no copy.
+            return self.forward_chunk(&chunk(0, n, wanted), cache, &mut out.data);
         }
         // Chunks run through every layer in turn: a later chunk sees the entries an earlier
         // one wrote, an earlier one never sees later ones (its counts stop before them).
         let v = cfg.vocab;
-        let mut data = vec![0f32; wanted.len() * v];
+        let data = &mut out.data;
+        data.clear();
+        data.resize(wanted.len() * v, 0.0);
+        let mut logits = Vec::new();
         for start in (0..n).step_by(self.ubatch) {
             let end = (start + self.ubatch).min(n);
             let mine: Vec<(usize, usize)> = wanted
@@ -628,14 +813,11 @@ impl Forward for Qwen3 {
                 .map(|(out, &i)| (out, i - start))
                 .collect();
             let c = chunk(start, end, mine.iter().map(|&(_, i)| i).collect());
-            let logits = as_vec(self.forward_chunk(&c, cache)?)?;
+            self.forward_chunk(&c, cache, &mut logits)?;
             for (j, &(out, _)) in mine.iter().enumerate() {
                 data[out * v..(out + 1) * v].copy_from_slice(&logits[j * v..(j + 1) * v]);
             }
         }
-        Ok(Logits {
-            vocab: cfg.vocab,
-            data,
-        })
+        Ok(())
     }
 }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use crate::decode::{self, DecodeParams, DecodeResult, Decoder, Event, Poll};
 use crate::error::{Error, RequestError, Result};
 use crate::kv::{KvCache, SeqId};
-use crate::model::{Batch, Forward, LogitsFor, LogitsRef};
+use crate::model::{Batch, Forward, Logits, LogitsFor, LogitsRef};
 use prefixes::Prefixes;
 
 /// What a request hears of its decode.
@@ -89,6 +89,8 @@ pub struct Scheduler<'a, M: Forward + ?Sized> {
     stats: Stats,
     /// The merged batch (reused between steps).
     batch: Batch,
+    /// The logits of the last forward (the buffer kept from one forward to the next).
+    logits: Logits,
 }
 
 /// Where a decoder's tokens and logits sit in the merged batch.
@@ -117,6 +119,10 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
                 ..Stats::default()
             },
             batch: Batch::default(),
+            logits: Logits {
+                vocab: 0,
+                data: Vec::new(),
+            },
         }
     }
 
@@ -295,9 +301,10 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
             self.stats.last_batch_requests = served;
             self.stats.forward_logit_rows += indices_len as u64;
             let t = std::time::Instant::now();
-            let logits = self.model.forward(&self.batch, &mut self.cache)?;
+            self.model
+                .forward_into(&self.batch, &mut self.cache, &mut self.logits)?;
             self.stats.forward_seconds += t.elapsed().as_secs_f64();
-            Some(logits)
+            Some(&self.logits)
         };
         let fed_at = std::time::Instant::now();
         let vocab = self.model.config().vocab;

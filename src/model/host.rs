@@ -1,0 +1,258 @@
+//! The layers that run on the CPU with our kernels, over plain f32 buffers kept from one
+//! forward to the next.
+//!
+//! candle's tensor ops allocate (and zero) a new buffer for every result, and spread their
+//! larger element-wise work (RMS norms of more than 32 rows, SiLU, products, sums) over
+//! rayon's pool: a second set of threads that then spins beside the worker pool our products
+//! and attention run on, on the same cores. Here every step writes into a buffer of
+//! [`Scratch`], in place where it can, and the element-wise work of a large batch runs on the
+//! same worker pool as the products. Each value is computed with exactly the float operations
+//! candle uses (tested to the bit), so a forward gives the same logits either way.
+
+use std::ops::Range;
+
+/// Buffers of one forward chunk, grown to the largest chunk seen and then reused.
+#[derive(Default)]
+pub struct Scratch {
+    /// Normalized hidden states (the input of q/k/v and of gate/up).
+    pub h: Vec<f32>,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub attn: Vec<f32>,
+    /// The output of the attention's projection, then of the feed-forward's.
+    pub o: Vec<f32>,
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+}
+
+/// Sets `buf` to `len` values; what it held is left as it was (every caller overwrites it).
+pub fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buf.resize(len, 0.0);
+    &mut buf[..len]
+}
+
+/// Element-wise work below this many values runs on the calling thread (a round on the pool
+/// costs a few microseconds).
+const PARALLEL_VALUES: usize = 16 * 1024;
+
+/// `f` over `0..n_rows` in ranges: on the worker pool when `n_rows * row_len` is large.
+fn for_rows(n_rows: usize, row_len: usize, f: impl Fn(Range<usize>) + Sync) {
+    if n_rows * row_len < PARALLEL_VALUES || n_rows < 2 {
+        f(0..n_rows);
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(n_rows, f);
+    }
+}
+
+/// A pointer shared by the tasks of one parallel loop, each writing its own rows.
+#[derive(Clone, Copy)]
+struct Rows(*mut f32);
+// SAFETY: the loops below hand each task disjoint rows.
+unsafe impl Sync for Rows {}
+unsafe impl Send for Rows {}
+
+impl Rows {
+    /// Rows `r` of `len` values.
+    ///
+    /// # Safety
+    /// The rows are inside the buffer and no other task touches them.
+    unsafe fn get<'a>(self, r: &Range<usize>, len: usize) -> &'a mut [f32] {
+        self.span(r.start * len, r.end * len)
+    }
+
+    /// Values `a..b`.
+    ///
+    /// # Safety
+    /// As [`Rows::get`].
+    unsafe fn span<'a>(self, a: usize, b: usize) -> &'a mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(a), b - a)
+    }
+}
+
+/// One row's RMS norm as candle's CPU kernel computes it: the squares summed in order in f32,
+/// `sqrt(sum / n + eps)`, then each value divided by it and times its weight.
+#[inline]
+fn rms_row(src: &[f32], w: &[f32], eps: f32, dst: &mut [f32]) {
+    let sum2: f32 = src.iter().map(|&v| v * v).sum();
+    let m = (sum2 / src.len() as f32 + eps).sqrt();
+    for ((d, &s), &a) in dst.iter_mut().zip(src).zip(w) {
+        *d = s / m * a;
+    }
+}
+
+/// `out` = each row of `x` (rows of `w.len()` values) RMS-normalized and scaled by `w`.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    assert!(x.len() == out.len() && x.len().is_multiple_of(n));
+    let dst = Rows(out.as_mut_ptr());
+    for_rows(x.len() / n, n, |r| {
+        // SAFETY: each task writes its own rows of `out`.
+        let d = unsafe { dst.get(&r, n) };
+        for (src, dst) in x[r.start * n..r.end * n]
+            .chunks_exact(n)
+            .zip(d.chunks_exact_mut(n))
+        {
+            rms_row(src, w, eps, dst);
+        }
+    });
+}
+
+/// [`rms_norm`] of every row of `x` in place (the per-head q and k norms).
+pub fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let n = w.len();
+    assert!(x.len().is_multiple_of(n));
+    let rows = Rows(x.as_mut_ptr());
+    for_rows(x.len() / n, n, |r| {
+        // SAFETY: each task reads and writes its own rows.
+        let x = unsafe { rows.get(&r, n) };
+        let mut tmp = [0f32; 512];
+        for row in x.chunks_exact_mut(n) {
+            if n <= tmp.len() {
+                tmp[..n].copy_from_slice(row);
+                rms_row(&tmp[..n], w, eps, row);
+            } else {
+                let src = row.to_vec();
+                rms_row(&src, w, eps, row);
+            }
+        }
+    });
+}
+
+/// `x += y`, element by element (the residual connections).
+pub fn add_in_place(x: &mut [f32], y: &[f32]) {
+    assert!(x.len() == y.len());
+    const ROW: usize = 1024;
+    let n_rows = x.len().div_ceil(ROW);
+    let len = x.len();
+    let dst = Rows(x.as_mut_ptr());
+    for_rows(n_rows, ROW, |r| {
+        let (a, b) = (r.start * ROW, (r.end * ROW).min(len));
+        // SAFETY: each task writes its own range of `x`.
+        let x = unsafe { dst.span(a, b) };
+        for (x, &y) in x.iter_mut().zip(&y[a..b]) {
+            *x += y;
+        }
+    });
+}
+
+/// `gate = silu(gate) * up`, with candle's SiLU (`v / (1 + exp(-v))`).
+pub fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
+    assert!(gate.len() == up.len());
+    const ROW: usize = 1024;
+    let len = gate.len();
+    let n_rows = len.div_ceil(ROW);
+    let dst = Rows(gate.as_mut_ptr());
+    for_rows(n_rows, ROW, |r| {
+        let (a, b) = (r.start * ROW, (r.end * ROW).min(len));
+        // SAFETY: each task writes its own range of `gate`.
+        let g = unsafe { dst.span(a, b) };
+        for (g, &u) in g.iter_mut().zip(&up[a..b]) {
+            let v = *g;
+            *g = (v / (1.0 + (-v).exp())) * u;
+        }
+    });
+}
+
+/// RoPE's cosines and sines for each token of a chunk (computed once, used by every layer).
+pub struct RopeTable {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    /// The angles `position * inv_freq[j]` in f32, as transformers computes them.
+    pub fn new(positions: &[u32], inv_freq: &[f32]) -> RopeTable {
+        let half = inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for &f in inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        RopeTable { half, cos, sin }
+    }
+
+    /// Rotates `x` (`[n, heads, 2 * half]`) in place, token `i` by its row of the table
+    /// (rotate-half layout, as transformers' Qwen3).
+    pub fn apply(&self, x: &mut [f32], heads: usize) {
+        let (half, hd) = (self.half, 2 * self.half);
+        for (i, tok) in x.chunks_exact_mut(heads * hd).enumerate() {
+            let cos = &self.cos[i * half..(i + 1) * half];
+            let sin = &self.sin[i * half..(i + 1) * half];
+            for v in tok.chunks_exact_mut(hd) {
+                let (lo, hi) = v.split_at_mut(half);
+                for j in 0..half {
+                    let (a, b) = (lo[j], hi[j]);
+                    lo[j] = a * cos[j] + (-b) * sin[j];
+                    hi[j] = b * cos[j] + a * sin[j];
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0
+            })
+            .collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|f| f.to_bits()).collect()
+    }
+
+    fn host(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// Small and large batches (the large ones on the worker pool): candle's floats to the bit.
+    #[test]
+    fn the_element_wise_steps_give_candles_floats() {
+        for rows in [1, 3, 40, 700] {
+            let n = 128;
+            let x = values(rows * n, rows as u64);
+            let w = values(n, 99);
+            let xt = Tensor::from_vec(x.clone(), (rows, n), &Device::Cpu).unwrap();
+            let wt = Tensor::from_vec(w.clone(), n, &Device::Cpu).unwrap();
+            let want = host(&candle_nn::ops::rms_norm(&xt, &wt, 1e-6).unwrap());
+            let mut out = vec![0f32; rows * n];
+            rms_norm(&x, &w, 1e-6, &mut out);
+            assert_eq!(bits(&out), bits(&want), "rms_norm over {rows} rows");
+            let mut inplace = x.clone();
+            rms_norm_in_place(&mut inplace, &w, 1e-6);
+            assert_eq!(
+                bits(&inplace),
+                bits(&want),
+                "rms_norm in place over {rows} rows"
+            );
+
+            let y = values(rows * n, 7 + rows as u64);
+            let yt = Tensor::from_vec(y.clone(), (rows, n), &Device::Cpu).unwrap();
+            let want = host(&(&xt + &yt).unwrap());
+            let mut sum = x.clone();
+            add_in_place(&mut sum, &y);
+            assert_eq!(bits(&sum), bits(&want), "add over {rows} rows");
+
+            let want = host(&(candle_nn::ops::silu(&xt).unwrap() * &yt).unwrap());
+            let mut g = x.clone();
+            swiglu_in_place(&mut g, &y);
+            assert_eq!(bits(&g), bits(&want), "swiglu over {rows} rows");
+        }
+    }
+}
