@@ -1,5 +1,6 @@
 //! Our Q4_K/Q6_K kernels against candle's, one weight matrix
-//! at a time: `cargo bench --bench kquants [-- q6k [ROWS [K]]]`. The matrix (7 MB at the
+//! at a time: `cargo bench --bench kquants [-- q6k [ROWS [K [M,M,...]]]] [--ours]` (`--ours`:
+//! our kernels alone, with GMAC/s, for tuning them). The matrix (7 MB at the
 //! default 6144 x 2048) fits in a large L3, so this measures compute, not memory traffic: the
 //! whole-model figures come from `refusion bench`.
 
@@ -13,7 +14,10 @@ use refusion::model::kquants::{self, matmul_many, PackedMatrix};
 use refusion_convert::gguf::GgmlType;
 
 fn main() -> candle_core::Result<()> {
-    let args: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
+    let ours_only = std::env::args().any(|a| a == "--ours");
+    let args: Vec<String> = std::env::args()
+        .filter(|a| a != "--bench" && a != "--ours")
+        .collect();
     let (ty, dtype, block) = match args.get(1).map(String::as_str) {
         Some("q6k") => (GgmlType::Q6_K, GgmlDType::Q6K, 210),
         _ => (GgmlType::Q4_K, GgmlDType::Q4K, 144),
@@ -38,7 +42,25 @@ fn main() -> candle_core::Result<()> {
     let candle = QMatMul::from_arc(Arc::new(QTensor::new(storage, (n, k))?))?;
     let ours = PackedMatrix::pack(ty, n, k, &data);
     println!("{ty} {n}x{k}, {} threads", rayon::current_num_threads());
-    for m in [1usize, 2, 4, 16, 32, 64, 256] {
+    let ms: Vec<usize> = match args.get(4) {
+        Some(list) => list.split(',').filter_map(|m| m.parse().ok()).collect(),
+        None => vec![1, 2, 4, 16, 32, 64, 256],
+    };
+    for m in ms {
+        if ours_only {
+            let x: Vec<f32> = (0..m * k).map(|_| rand()).collect();
+            let mut out = vec![0f32; m * n];
+            matmul_many(&[&ours], &x, m, &mut [&mut out]);
+            let reps = (2000 / m).max(20);
+            let t = Instant::now();
+            for _ in 0..reps {
+                matmul_many(&[&ours], &x, m, &mut [&mut out]);
+            }
+            let secs = t.elapsed().as_secs_f64() / reps as f64;
+            let gmac = (m * n * k) as f64 / secs / 1e9;
+            println!("m={m:4}: ours {:8.3} ms  {gmac:6.1} GMAC/s", secs * 1e3);
+            continue;
+        }
         let x: Vec<f32> = (0..m * k).map(|_| rand()).collect();
         let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu)?;
         let want: Vec<f32> = candle.forward(&xt)?.flatten_all()?.to_vec1()?;

@@ -639,8 +639,8 @@ impl Qwen3 {
                 )?);
             }
         }
-        out.clear();
         if c.wanted.is_empty() {
+            out.clear();
             return Ok(());
         }
         if let (Some(norm), Some(w)) = (&self.output_norm_host, self.output.weight()) {
@@ -652,6 +652,7 @@ impl Qwen3 {
                 dst.copy_from_slice(&x[i * hsz..(i + 1) * hsz]);
             }
             host::rms_norm_in_place(h, norm, cfg.rms_eps as f32);
+            // Every value is overwritten: only a longer buffer than last time is zeroed first.
             out.resize(c.wanted.len() * w.rows(), 0.0);
             matmul_many(&[w], h, c.wanted.len(), &mut [&mut out[..]]);
             return Ok(());
@@ -662,6 +663,7 @@ impl Qwen3 {
         let x = x.index_select(&idx, 0)?;
         let x = rms_norm(&x, &self.output_norm, cfg.rms_eps)?;
         let logits = self.output.forward(&x)?.to_dtype(DType::F32)?;
+        out.clear();
         out.extend(logits.flatten_all()?.to_vec1::<f32>()?);
         Ok(())
     }
