@@ -11,12 +11,14 @@
 mod machine;
 mod noise;
 mod params;
+mod probs;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use machine::{Decoder, Poll};
 pub use noise::Noise;
 pub use params::DecodeParams;
+pub use probs::{argmax, prob};
 
 use crate::error::{Error, RequestError, Result};
 use crate::kv::{KvCache, SeqId};
@@ -69,24 +71,6 @@ impl DecodeResult {
     pub fn answer(&self) -> &[u32] {
         &self.tokens[..self.eos_index.unwrap_or(self.tokens.len())]
     }
-}
-
-/// Index of the largest value (the first one on ties, as torch.argmax).
-fn argmax(v: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best
-}
-
-/// softmax(v)[i] in f32, as torch computes it.
-fn prob(v: &[f32], i: usize) -> f32 {
-    let max = v.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    let sum: f32 = v.iter().map(|&x| (x - max).exp()).sum();
-    (v[i] - max).exp() / sum
 }
 
 /// Generates after `prompt`. The cache must be empty, or hold a prefix of `prompt` as its
