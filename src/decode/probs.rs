@@ -33,7 +33,7 @@ fn exp_nonpositive(x: f32) -> f32 {
     let p = p * r + 8.333_452e-3;
     let p = p * r + 4.166_579_6e-2;
     let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 5.000_000_1e-1;
+    let p = p * r + 0.5;
     let e = (p * (r * r) + r) + 1.0;
     // 2^n for n in -126..=0, from its bits: n + 127 lands in the low mantissa bits of
     // 2^23 + n + 127 (exact), which then become the exponent field.
