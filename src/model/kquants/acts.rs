@@ -16,9 +16,11 @@ use super::QK;
 pub struct Q8K {
     pub(super) qs: [i8; QK],
     pub(super) bsums: [i16; QK / 16],
-    /// `bsums` as f32, and summed in pairs (per 32 values), for the tiled kernels.
-    pub(super) fsum16: [f32; QK / 16],
+    /// `bsums` summed in pairs (per 32 values) as f32, for Q4_K's and Q8_0's offsets.
     pub(super) fsum32: [f32; QK / 32],
+    /// Minus 32 times the sum of each stored 16-value chunk: where Q6_K's integer sums start,
+    /// which takes its values' offset of 32 off exactly.
+    pub(super) q6k_start: [i32; QK / 16],
     pub(super) d: f32,
 }
 
@@ -26,8 +28,8 @@ impl Q8K {
     pub(super) const ZERO: Q8K = Q8K {
         qs: [0; QK],
         bsums: [0; QK / 16],
-        fsum16: [0.0; QK / 16],
         fsum32: [0.0; QK / 32],
+        q6k_start: [0; QK / 16],
         d: 0.0,
     };
 }
@@ -84,11 +86,11 @@ fn quantize_block_scalar(x: &[f32], out: &mut Q8K) {
 /// The float sums and the scale, from `bsums` and `iscale`.
 #[inline(always)]
 fn finish(out: &mut Q8K, iscale: f32) {
-    for (f, &b) in out.fsum16.iter_mut().zip(&out.bsums) {
-        *f = b as f32;
-    }
     for (f, b) in out.fsum32.iter_mut().zip(out.bsums.chunks_exact(2)) {
         *f = (b[0] + b[1]) as f32;
+    }
+    for (s, &b) in out.bsums.iter().enumerate() {
+        out.q6k_start[stored_at(16 * s) / 16] = -32 * b as i32;
     }
     out.d = 1.0 / iscale;
 }
@@ -227,8 +229,8 @@ mod x86 {
             assert_eq!(a.qs, b.qs);
             assert_eq!(a.bsums, b.bsums);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&a.fsum16), bits(&b.fsum16));
             assert_eq!(bits(&a.fsum32), bits(&b.fsum32));
+            assert_eq!(a.q6k_start, b.q6k_start);
             assert_eq!(a.d.to_bits(), b.d.to_bits());
         }
 

@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use refusion_convert::gguf::GgmlType;
 
-use super::{prefetch_ahead, stored_at, tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
+use super::{prefetch_ahead, tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
 
 /// Activation rows per pass over a run's tiles (16 registers: 4 rows x 2 halves of sums).
 const TILE_MT: usize = 4;
@@ -344,19 +344,9 @@ unsafe fn packed_q6k<const N: usize, const VNNI: bool>(
                         dot2::<VNNI>(w[0], a0, w[1], a1),
                         dot2::<VNNI>(w[2], a2, w[3], a3),
                     );
+                    // The stored values' offset of 32, taken off exactly.
+                    let isum = _mm256_add_epi32(isum, _mm256_set1_epi32(a.q6k_start[c]));
                     acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc[t][h]);
-                }
-            }
-        }
-        // The +32 offset, per natural 16-value sub-block s (stored chunk stored_at(16 s) / 16).
-        for h in 0..2 {
-            let d32 = _mm256_mul_ps(d[h], _mm256_set1_ps(32.0));
-            for s in 0..16 {
-                let c = stored_at(16 * s) / 16;
-                let sc = _mm256_mul_ps(bytes8::<true>(tile, 3072 + 16 * c + 8 * h), d32);
-                for t in 0..N {
-                    let a = &acts[t * kb + b];
-                    acc[t][h] = _mm256_fnmadd_ps(sc, _mm256_set1_ps(a.fsum16[s]), acc[t][h]);
                 }
             }
         }

@@ -840,22 +840,12 @@ mod x86 {
                 let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), d);
                 for t in 0..N {
                     let a = &acts[t * kb + b];
-                    let mut isum = _mm512_setzero_si512();
+                    // The sum starts at the stored values' offset of 32, taken off exactly.
+                    let mut isum = _mm512_set1_epi32(a.q6k_start[c]);
                     for (i, w) in w.iter().enumerate() {
                         isum = _mm512_dpbusd_epi32(isum, *w, bcast(a, 16 * c + 4 * i));
                     }
                     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[t]);
-                }
-            }
-            // The +32 offset, per natural 16-value sub-block s (stored chunk stored_at(16 s) / 16).
-            let d32 = _mm512_mul_ps(d, _mm512_set1_ps(32.0));
-            for s in 0..16 {
-                let c = stored_at(16 * s) / 16;
-                let sc = _mm_loadu_si128(tile.add(3072 + 16 * c) as *const _);
-                let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), d32);
-                for t in 0..N {
-                    let a = &acts[t * kb + b];
-                    acc[t] = _mm512_fnmadd_ps(sc, _mm512_set1_ps(a.fsum16[s]), acc[t]);
                 }
             }
             for t in 0..N {

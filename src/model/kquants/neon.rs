@@ -23,7 +23,7 @@ use std::arch::asm;
 
 use refusion_convert::gguf::GgmlType;
 
-use super::{stored_at, tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
+use super::{tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
 
 /// Activation rows per pass over a run's tiles.
 const TILE_MT: usize = 4;
@@ -310,21 +310,12 @@ unsafe fn packed_q6k<const N: usize, D: Dot>(
                 let sc = vmulq_f32(bytes4::<true>(tile.add(3072 + 16 * c + 4 * q)), d);
                 for t in 0..N {
                     let a = acts16(&acts[t * kb + b], 16 * c);
-                    let mut isum = vdupq_n_s32(0);
+                    // The sum starts at the stored values' offset of 32, taken off exactly.
+                    let mut isum = vdupq_n_s32(acts[t * kb + b].q6k_start[c]);
                     for (i, w) in w.iter().enumerate() {
                         isum = dot_lane::<D>(isum, *w, a, i);
                     }
                     acc[t] = vfmaq_f32(acc[t], vcvtq_f32_s32(isum), sc);
-                }
-            }
-            // The +32 offset, per natural 16-value sub-block s (stored chunk stored_at(16 s) / 16).
-            let d32 = vmulq_f32(d, vdupq_n_f32(32.0));
-            for s in 0..16 {
-                let c = stored_at(16 * s) / 16;
-                let sc = vmulq_f32(bytes4::<true>(tile.add(3072 + 16 * c + 4 * q)), d32);
-                for t in 0..N {
-                    let a = &acts[t * kb + b];
-                    acc[t] = vfmsq_f32(acc[t], sc, vdupq_n_f32(a.fsum16[s]));
                 }
             }
             for t in 0..N {
