@@ -2,13 +2,18 @@
 """Aggregate throughput of `refusion serve` with many clients at once, at several --parallel.
 
     python3 benches/serve_parallel.py --bin target/release/refusion -m FILE.gguf
-        [--parallel 1,8] [--clients 8] [--requests 4] [--max-tokens 32] [-t 2] [--rss] [--max-id N]
-        [-- EXTRA SERVE FLAGS]
+        [--parallel 1,8] [--clients 8] [--requests 4] [--max-tokens 32] [-t 2] [--rounds R]
+        [--rss] [--max-id N] [-- EXTRA SERVE FLAGS]
 
 For each --parallel value: starts the server, lets CLIENTS threads send REQUESTS completions
 each (distinct prompts of 24 token ids, max_tokens as given, temperature 0), and reports the
 aggregate completion tokens/s (the answers' tokens over the wall time), p50/p95 latency per
 request, and from /metrics the forwards the scheduler ran and their mean size in tokens.
+With --rounds R, the --parallel list runs R times over, interleaved (1, 8, 1, 8, ...), and the
+summary gives each setting's median and the median of the ratios of neighbouring runs: on a
+shared machine whose speed drifts by tens of percent, a ratio of two runs minutes apart is
+mostly noise. The table also reports, from /metrics, the logit rows per forward and the
+milliseconds per forward and per feed (the decoders reading the logits).
 With --rss, the server's RSS is sampled every second and its value after the first minute
 and at the end are printed (a flat RSS under load). Standard library only.
 """
@@ -146,11 +151,13 @@ def main():
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--rss", action="store_true")
     ap.add_argument("--max-id", type=int, default=5000, help="prompt token ids are below this (the vocabulary)")
     ap.add_argument("extra", nargs="*")
     args = ap.parse_args()
-    rows = [run(args, int(n)) for n in args.parallel.split(",")]
+    settings = [int(n) for n in args.parallel.split(",")]
+    rows = [run(args, n) for _ in range(args.rounds) for n in settings]
     print(json.dumps(rows, indent=1), file=sys.stderr)
     print("| --parallel | requests | failures | tokens/s | p50 s | p95 s | forwards | tokens / forward "
           "| logit rows / forward | ms / forward | feed ms / forward |")
@@ -159,9 +166,16 @@ def main():
         print(f"| {r['parallel']} | {r['requests']} | {r['failures']} | {r['tokens_per_s']:.1f} | {r['p50_s']:.2f} "
               f"| {r['p95_s']:.2f} | {r['forwards']} | {r['mean_forward_tokens']:.1f} "
               f"| {r['mean_forward_logit_rows']:.1f} | {r['mean_forward_ms']:.1f} | {r['mean_feed_ms']:.1f} |")
-    if len(rows) > 1:
-        print(f"\nratio --parallel {rows[-1]['parallel']} / {rows[0]['parallel']}: "
-              f"{rows[-1]['tokens_per_s'] / max(rows[0]['tokens_per_s'], 1e-9):.2f}x")
+    if len(settings) > 1:
+        first, last = settings[0], settings[-1]
+        speed = {n: [r["tokens_per_s"] for r in rows if r["parallel"] == n] for n in settings}
+        ratios = [rows[i + len(settings) - 1]["tokens_per_s"] / max(rows[i]["tokens_per_s"], 1e-9)
+                  for i in range(0, len(rows), len(settings))]
+        print()
+        for n in settings:
+            print(f"--parallel {n}: median {statistics.median(speed[n]):.1f} tokens/s over {len(speed[n])} runs")
+        print(f"ratio --parallel {last} / {first}: median {statistics.median(ratios):.2f}x "
+              f"(each round: {', '.join(f'{x:.2f}' for x in ratios)})")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,62 @@ pub fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     });
 }
 
+/// `x += y` (a residual connection), then `out` = each row of `x` RMS-normalized and scaled by
+/// `w`: [`add_in_place`] and [`rms_norm`] in one pass over the rows.
+pub fn add_and_norm(x: &mut [f32], y: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    assert!(x.len() == y.len() && x.len() == out.len() && x.len().is_multiple_of(n));
+    let (xs, dst) = (Rows(x.as_mut_ptr()), Rows(out.as_mut_ptr()));
+    for_rows(x.len() / n, n, |r| {
+        // SAFETY: each task reads and writes its own rows of `x` and `out`.
+        let (x, d) = unsafe { (xs.get(&r, n), dst.get(&r, n)) };
+        for ((x, y), d) in x
+            .chunks_exact_mut(n)
+            .zip(y[r.start * n..r.end * n].chunks_exact(n))
+            .zip(d.chunks_exact_mut(n))
+        {
+            for (x, &y) in x.iter_mut().zip(y) {
+                *x += y;
+            }
+            rms_row(x, w, eps, d);
+        }
+    });
+}
+
+/// Each token's query and key heads RMS-normalized (`qw`, `kw`) and rotated by its row of
+/// `rope`, in place: per-head norms then RoPE, in one pass over the tokens.
+pub fn norm_and_rope(
+    q: &mut [f32],
+    k: &mut [f32],
+    (qw, kw): (&[f32], &[f32]),
+    eps: f32,
+    rope: &RopeTable,
+) {
+    let n = rope.tokens();
+    assert!(n > 0 && q.len().is_multiple_of(n) && k.len().is_multiple_of(n));
+    let (ql, kl) = (q.len() / n, k.len() / n);
+    let (qs, ks) = (Rows(q.as_mut_ptr()), Rows(k.as_mut_ptr()));
+    for_rows(n, ql + kl, |r| {
+        // SAFETY: each task reads and writes its own tokens' heads.
+        let (q, k) = unsafe { (qs.get(&r, ql), ks.get(&r, kl)) };
+        for (j, (q, k)) in q
+            .chunks_exact_mut(ql)
+            .zip(k.chunks_exact_mut(kl))
+            .enumerate()
+        {
+            for (x, w) in [(&mut *q, qw), (&mut *k, kw)] {
+                let mut tmp = [0f32; 512];
+                for head in x.chunks_exact_mut(w.len()) {
+                    let src = &mut tmp[..head.len()];
+                    src.copy_from_slice(head);
+                    rms_row(src, w, eps, head);
+                }
+                rope.rotate(x, r.start + j);
+            }
+        }
+    });
+}
+
 /// `x += y`, element by element (the residual connections).
 pub fn add_in_place(x: &mut [f32], y: &[f32]) {
     assert!(x.len() == y.len());
@@ -177,20 +233,30 @@ impl RopeTable {
         RopeTable { half, cos, sin }
     }
 
+    /// Tokens in the table.
+    pub fn tokens(&self) -> usize {
+        self.cos.len() / self.half.max(1)
+    }
+
     /// Rotates `x` (`[n, heads, 2 * half]`) in place, token `i` by its row of the table
     /// (rotate-half layout, as transformers' Qwen3).
     pub fn apply(&self, x: &mut [f32], heads: usize) {
-        let (half, hd) = (self.half, 2 * self.half);
-        for (i, tok) in x.chunks_exact_mut(heads * hd).enumerate() {
-            let cos = &self.cos[i * half..(i + 1) * half];
-            let sin = &self.sin[i * half..(i + 1) * half];
-            for v in tok.chunks_exact_mut(hd) {
-                let (lo, hi) = v.split_at_mut(half);
-                for j in 0..half {
-                    let (a, b) = (lo[j], hi[j]);
-                    lo[j] = a * cos[j] + (-b) * sin[j];
-                    hi[j] = b * cos[j] + a * sin[j];
-                }
+        for (i, tok) in x.chunks_exact_mut(heads * 2 * self.half).enumerate() {
+            self.rotate(tok, i);
+        }
+    }
+
+    /// Rotates every head of one token (`[heads, 2 * half]`) by row `i` of the table.
+    fn rotate(&self, tok: &mut [f32], i: usize) {
+        let half = self.half;
+        let cos = &self.cos[i * half..(i + 1) * half];
+        let sin = &self.sin[i * half..(i + 1) * half];
+        for v in tok.chunks_exact_mut(2 * half) {
+            let (lo, hi) = v.split_at_mut(half);
+            for j in 0..half {
+                let (a, b) = (lo[j], hi[j]);
+                lo[j] = a * cos[j] + (-b) * sin[j];
+                hi[j] = b * cos[j] + a * sin[j];
             }
         }
     }
@@ -249,10 +315,42 @@ mod tests {
             add_in_place(&mut sum, &y);
             assert_eq!(bits(&sum), bits(&want), "add over {rows} rows");
 
+            // Fused: the residual then the norm, as the two steps give them.
+            let mut normed = vec![0f32; rows * n];
+            rms_norm(&sum, &w, 1e-6, &mut normed);
+            let (mut x2, mut out2) = (x.clone(), vec![0f32; rows * n]);
+            add_and_norm(&mut x2, &y, &w, 1e-6, &mut out2);
+            assert_eq!(bits(&x2), bits(&sum), "add_and_norm's sum over {rows} rows");
+            assert_eq!(bits(&out2), bits(&normed), "add_and_norm over {rows} rows");
+
             let want = host(&(candle_nn::ops::silu(&xt).unwrap() * &yt).unwrap());
             let mut g = x.clone();
             swiglu_in_place(&mut g, &y);
             assert_eq!(bits(&g), bits(&want), "swiglu over {rows} rows");
+        }
+    }
+
+    /// Per-head norms and RoPE in one pass give the separate steps' floats.
+    #[test]
+    fn norm_and_rope_is_the_two_steps() {
+        let (hd, nh, nkv) = (64, 4, 2);
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / hd as f32))
+            .collect();
+        for n in [1usize, 5, 300] {
+            let positions: Vec<u32> = (0..n as u32).map(|i| i * 3 + 7).collect();
+            let rope = RopeTable::new(&positions, &inv);
+            let (q, k) = (values(n * nh * hd, 1), values(n * nkv * hd, 2));
+            let (qw, kw) = (values(hd, 3), values(hd, 4));
+            let (mut q1, mut k1) = (q.clone(), k.clone());
+            rms_norm_in_place(&mut q1, &qw, 1e-6);
+            rms_norm_in_place(&mut k1, &kw, 1e-6);
+            rope.apply(&mut q1, nh);
+            rope.apply(&mut k1, nkv);
+            let (mut q2, mut k2) = (q, k);
+            norm_and_rope(&mut q2, &mut k2, (&qw, &kw), 1e-6, &rope);
+            assert_eq!(bits(&q1), bits(&q2), "q over {n} tokens");
+            assert_eq!(bits(&k1), bits(&k2), "k over {n} tokens");
         }
     }
 }

@@ -521,18 +521,14 @@ impl Layer {
             sized(v, n * wv.rows()),
         );
         matmul_many(&[wq, wk, wv], h, n, &mut [&mut *q, &mut *k, &mut *v]);
-        host::rms_norm_in_place(q, &norms.q, eps);
-        host::rms_norm_in_place(k, &norms.k, eps);
-        rope.apply(q, nh);
-        rope.apply(k, nkv);
+        host::norm_and_rope(q, k, (&norms.q, &norms.k), eps, rope);
         cache.write(l, c.slots, k, v);
         let attn = sized(attn, n * nh * hd);
         attend(q, cache, l, &c.visible_in(cache), nh, nkv, hd, attn);
         let o = sized(o, x.len());
         matmul_many(&[wo], attn, n, &mut [&mut *o]);
-        host::add_in_place(x, o);
-        // Feed-forward.
-        host::rms_norm(x, &norms.ffn, eps, h);
+        // The residual, and the feed-forward's norm.
+        host::add_and_norm(x, o, &norms.ffn, eps, h);
         let (gate, up) = (sized(gate, n * wg.rows()), sized(up, n * wu.rows()));
         matmul_many(&[wg, wu], h, n, &mut [&mut *gate, &mut *up]);
         host::swiglu_in_place(gate, up);
