@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use refusion_convert::gguf::GgmlType;
 
-use super::{prefetch_ahead, tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
+use super::{prefetch_part, tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
 
 /// Activation rows per pass over a run's tiles (16 registers: 4 rows x 2 halves of sums).
 const TILE_MT: usize = 4;
@@ -206,11 +206,11 @@ unsafe fn packed_q4k<const N: usize, const VNNI: bool, const FIVE: bool>(
     let widen_each = FIVE && !VNNI;
     for b in 0..kb {
         let tile = tiles.as_ptr().add(b * tile_bytes);
-        prefetch_ahead(tile, tile_bytes);
         let d = [f16x8(tile, 2304), f16x8(tile, 2320)];
         let dmin = [f16x8(tile, 2336), f16x8(tile, 2352)];
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for c in 0..8 {
+            prefetch_part(tile, tile_bytes, c, 8);
             let mut isum = [[_mm256_setzero_si256(); 2]; N];
             for h in 0..2 {
                 let hb = if FIVE {
@@ -282,9 +282,9 @@ unsafe fn packed_q8_0<const N: usize, const VNNI: bool>(
     let zero = _mm256_setzero_si256();
     for b in 0..kb {
         let tile = tiles.as_ptr().add(b * tile_bytes);
-        prefetch_ahead(tile, tile_bytes);
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for c in 0..8 {
+            prefetch_part(tile, tile_bytes, c, 8);
             for h in 0..2 {
                 let mut isum = [_mm256_setzero_si256(); N];
                 for p in 8 * c..8 * c + 8 {
@@ -328,10 +328,10 @@ unsafe fn packed_q6k<const N: usize, const VNNI: bool>(
 ) {
     for b in 0..kb {
         let tile = tiles.as_ptr().add(b * tile_bytes);
-        prefetch_ahead(tile, tile_bytes);
         let d = [f16x8(tile, 3328), f16x8(tile, 3344)];
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for c in 0..16 {
+            prefetch_part(tile, tile_bytes, c, 16);
             for h in 0..2 {
                 let w = q6k_values(tile, c, h);
                 let sc = _mm256_mul_ps(bytes8::<true>(tile, 3072 + 16 * c + 8 * h), d[h]);

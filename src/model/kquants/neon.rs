@@ -129,16 +129,19 @@ unsafe fn fifth_bit(hb: uint8x16_t, e: usize) -> uint8x16_t {
     vandq_u8(v, vdupq_n_u8(0x10))
 }
 
-/// Asks for the tile a few ahead (reads past a run's last tile are harmless: prefetches
-/// never fault; `prfm`'s intrinsic is not stable Rust).
+/// Asks for part `part` of `parts` of the tile a few ahead (reads past a run's last tile are
+/// harmless: prefetches never fault; `prfm`'s intrinsic is not stable Rust), one part per
+/// quarter of the block's loop: the whole tile at once overflowed x86 cores' queues of
+/// outstanding misses (see the x86 kernels' `prefetch_part`; not measured on ARM).
 #[inline(always)]
-unsafe fn prefetch_ahead(tile: *const u8, tile_bytes: usize) {
+unsafe fn prefetch_part(tile: *const u8, tile_bytes: usize, part: usize, parts: usize) {
     const PREFETCH_TILES: usize = 4;
     let ahead = tile.wrapping_add(PREFETCH_TILES * tile_bytes);
-    for line in (0..tile_bytes).step_by(64) {
+    let per = tile_bytes.div_ceil(64 * parts);
+    for line in part * per..(part + 1) * per {
         asm!(
             "prfm pldl1keep, [{p}]",
-            p = in(reg) ahead.wrapping_add(line),
+            p = in(reg) ahead.wrapping_add(64 * line),
             options(readonly, nostack, preserves_flags)
         );
     }
@@ -225,8 +228,8 @@ unsafe fn packed_q4k<const N: usize, D: Dot, const FIVE: bool>(
     let nib = vdupq_n_u8(0x0f);
     for b in 0..kb {
         let tile = tiles.as_ptr().add(b * tile_bytes);
-        prefetch_ahead(tile, tile_bytes);
         for q in 0..4 {
+            prefetch_part(tile, tile_bytes, q, 4);
             let d = f16x4(tile.add(2304 + 8 * q));
             let dmin = f16x4(tile.add(2336 + 8 * q));
             let mut acc = [vdupq_n_f32(0.0); N];
@@ -292,8 +295,8 @@ unsafe fn packed_q6k<const N: usize, D: Dot>(
     let two = vdupq_n_u8(0x03);
     for b in 0..kb {
         let tile = tiles.as_ptr().add(b * tile_bytes);
-        prefetch_ahead(tile, tile_bytes);
         for q in 0..4 {
+            prefetch_part(tile, tile_bytes, q, 4);
             let d = f16x4(tile.add(3328 + 8 * q));
             let mut acc = [vdupq_n_f32(0.0); N];
             for c in 0..16 {
@@ -337,8 +340,8 @@ unsafe fn packed_q8_0<const N: usize, D: Dot>(
 ) {
     for b in 0..kb {
         let tile = tiles.as_ptr().add(b * tile_bytes);
-        prefetch_ahead(tile, tile_bytes);
         for q in 0..4 {
+            prefetch_part(tile, tile_bytes, q, 4);
             let mut acc = [vdupq_n_f32(0.0); N];
             for c in 0..8 {
                 let mut isum = [vdupq_n_s32(0); N];
