@@ -3,48 +3,15 @@
 //!
 //! Each is a pass over the whole vocabulary (151 671 values for ReFusion), and a decode reads
 //! dozens of rows per forward: the scalar loop (libm's `expf` per value, one sum in order)
-//! cost more than a tenth of a many-request forward. Here `exp` is our own (a Cody-Waite
-//! reduction and a degree-6 polynomial in plain multiplies and adds, within 2 ulp of the true
-//! value, no fused multiply-add) and the sum runs in 16 lanes folded in a fixed tree, so the
-//! compiler vectorizes both and every CPU gives the same floats. torch's own CPU softmax
+//! cost more than a tenth of a many-request forward. Here `exp` is our own
+//! ([`crate::model::expf`], within 2 ulp, plain multiplies and adds) and the sum runs in 16
+//! lanes folded in a fixed tree, so the compiler vectorizes both and every CPU gives the same
+//! floats. torch's own CPU softmax
 //! also takes a vectorized `exp` and a lane-wise sum: these are as close to the reference as
 //! a libm `expf` summed in order (the goldens pass either way; where the two could disagree,
 //! a probability would sit within 1e-6 of a threshold).
 
-/// Lanes of the partial sums (a fixed count, so the order does not depend on the CPU).
-const LANES: usize = 16;
-
-/// `exp(x)` for `x <= 0` (a logit minus the row's maximum); 0 below -87 (where `exp` leaves
-/// the normal floats; the maximum's own term is 1, so these never count) and for NaN.
-#[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 split so that n * LN2_HI is exact for |n| < 2^15.
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer.
-                                     // The test is written so that NaN fails it too.
-    let ok = x >= -87.0;
-    let x = if ok { x } else { -87.0 };
-    let n = (x * LOG2E + ROUND) - ROUND;
-    let r = (x - n * LN2_HI) - n * LN2_LO;
-    let p = 1.987_569_1e-4;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 0.5;
-    let e = (p * (r * r) + r) + 1.0;
-    // 2^n for n in -126..=0, from its bits: n + 127 lands in the low mantissa bits of
-    // 2^23 + n + 127 (exact), which then become the exponent field.
-    let biased = (n + 8_388_735.0).to_bits().wrapping_sub(0x4b00_0000);
-    let scale = f32::from_bits(biased << 23);
-    if ok {
-        e * scale
-    } else {
-        0.0
-    }
-}
+use crate::model::expf::{exp_nonpositive, fold_lanes, LANES};
 
 /// The largest value (NaNs skipped), in lanes.
 #[inline(always)]
@@ -79,14 +46,7 @@ fn exp_sum(v: &[f32], max: f32) -> f32 {
     for (s, &x) in lanes.iter_mut().zip(chunks.remainder()) {
         *s += exp_nonpositive(x - max);
     }
-    let mut width = LANES / 2;
-    while width > 0 {
-        for i in 0..width {
-            lanes[i] += lanes[i + width];
-        }
-        width /= 2;
-    }
-    lanes[0]
+    fold_lanes(&mut lanes)
 }
 
 /// The row's maximum and its softmax denominator.
@@ -136,25 +96,6 @@ pub fn prob(v: &[f32], i: usize) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn exp_is_within_two_ulp_of_the_true_value() {
-        let mut worst = 0f64;
-        let mut x = -87.0f32;
-        while x <= 0.0 {
-            let got = exp_nonpositive(x) as f64;
-            let want = (x as f64).exp();
-            let ulp = (want as f32).to_bits();
-            let ulp = (f32::from_bits(ulp + 1) - f32::from_bits(ulp)) as f64;
-            worst = worst.max((got - want).abs() / ulp);
-            x += 0.000_731;
-        }
-        assert!(worst <= 2.0, "{worst} ulp");
-        assert_eq!(exp_nonpositive(0.0), 1.0);
-        assert_eq!(exp_nonpositive(-88.0), 0.0);
-        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_nonpositive(f32::NAN), 0.0);
-    }
 
     #[test]
     fn probabilities_match_a_softmax_in_f64() {

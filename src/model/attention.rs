@@ -7,6 +7,7 @@
 use std::cell::RefCell;
 
 use crate::kv::{HeadView, Kv, KvCache, Segment};
+use crate::model::expf;
 
 /// What one new token attends to: its sequence's shared prefix (segments of slots, in cache
 /// order) and the first `count` private slots of its row.
@@ -70,34 +71,63 @@ unsafe fn axpy_avx2(o: &mut [f32], p: f32, v: &[f32]) {
 #[cfg(target_arch = "x86_64")]
 const MAX_QUERIES: usize = 128;
 
-/// `put(i, dot(qs[i], k) * scale)` for every query, four at a time: four independent FMA chains
-/// hide the latency a single chain waits on. Each value is `dot(q, k, true) * scale` to the bit:
-/// the same eight lanes over the same chunks, summed in the same order, the same tail.
+/// Queries whose dot products with one key run side by side in [`dots_avx2`].
+#[cfg(target_arch = "x86_64")]
+const DOT_QUERIES: usize = 8;
+
+/// `put(i, dot(qs[i], k) * scale)` for every query, [`DOT_QUERIES`] at a time: eight
+/// independent FMA chains hide the four-cycle latency a single chain waits on (four chains
+/// left the FMA units half idle). Each value is `dot(q, k, true) * scale` to the bit: the same
+/// eight lanes over the same chunks, summed in the same order, the same tail.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dots_avx2(qs: &[&[f32]], k: &[f32], scale: f32, mut put: impl FnMut(usize, f32)) {
+    for (c, chunk) in qs.chunks(DOT_QUERIES).enumerate() {
+        let put = |i: usize, v: f32| put(c * DOT_QUERIES + i, v);
+        match chunk.len() {
+            8 => dots_n::<8>(chunk, k, scale, put),
+            7 => dots_n::<7>(chunk, k, scale, put),
+            6 => dots_n::<6>(chunk, k, scale, put),
+            5 => dots_n::<5>(chunk, k, scale, put),
+            4 => dots_n::<4>(chunk, k, scale, put),
+            3 => dots_n::<3>(chunk, k, scale, put),
+            2 => dots_n::<2>(chunk, k, scale, put),
+            _ => dots_n::<1>(chunk, k, scale, put),
+        }
+    }
+}
+
+/// [`dots_avx2`] for `N` queries (`qs.len() == N`).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_n<const N: usize>(
+    qs: &[&[f32]],
+    k: &[f32],
+    scale: f32,
+    mut put: impl FnMut(usize, f32),
+) {
     use std::arch::x86_64::*;
     let hd = k.len();
     let n8 = hd / 8 * 8;
-    for (c, chunk) in qs.chunks(4).enumerate() {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut d = 0;
-        while d < n8 {
-            let kv = _mm256_loadu_ps(k.as_ptr().add(d));
-            for (i, q) in chunk.iter().enumerate() {
-                acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(d)), kv, acc[i]);
-            }
-            d += 8;
+    let q: [*const f32; N] = std::array::from_fn(|i| qs[i].as_ptr());
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut d = 0;
+    while d < n8 {
+        let kv = _mm256_loadu_ps(k.as_ptr().add(d));
+        for i in 0..N {
+            acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q[i].add(d)), kv, acc[i]);
         }
-        for (i, q) in chunk.iter().enumerate() {
-            let mut lanes = [0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]);
-            let mut s = lanes.iter().sum::<f32>();
-            for (x, y) in q[n8..hd].iter().zip(&k[n8..hd]) {
-                s += x * y;
-            }
-            put(c * 4 + i, s * scale);
+        d += 8;
+    }
+    for i in 0..N {
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]);
+        let mut s = lanes.iter().sum::<f32>();
+        for (x, y) in qs[i][n8..hd].iter().zip(&k[n8..hd]) {
+            s += x * y;
         }
+        put(i, s * scale);
     }
 }
 
@@ -474,15 +504,14 @@ impl Block<'_> {
     }
 }
 
-/// Softmax in place, in f32, as torch computes it: the maximum, then each exponential, their
-/// sum in order, and each divided by it.
+/// Softmax in place, in f32: the maximum, each exponential (our [`expf`], vectorized where
+/// this is inlined), their sum in [`expf::LANES`] lanes folded in a fixed tree, and each
+/// divided by it. torch's CPU softmax likewise takes a vectorized `exp` and a lane-wise sum;
+/// libm's `expf` per score and one sum in order cost about as much as the dot products.
+#[inline(always)]
 fn softmax(s: &mut [f32]) {
     let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    let mut sum = 0f32;
-    for x in s.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x;
-    }
+    let sum = expf::exp_in_place(s, max);
     for x in s.iter_mut() {
         *x /= sum;
     }

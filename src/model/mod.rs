@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod config;
 pub mod device_attention;
+pub mod expf;
 mod host;
 pub mod kquants;
 mod linear;
