@@ -6,10 +6,9 @@
 //! cost more than a tenth of a many-request forward. Here `exp` is our own
 //! ([`crate::model::expf`], within 2 ulp, plain multiplies and adds) and the sum runs in 16
 //! lanes folded in a fixed tree, so the compiler vectorizes both and every CPU gives the same
-//! floats. torch's own CPU softmax
-//! also takes a vectorized `exp` and a lane-wise sum: these are as close to the reference as
-//! a libm `expf` summed in order (the goldens pass either way; where the two could disagree,
-//! a probability would sit within 1e-6 of a threshold).
+//! floats. torch's own CPU softmax also takes a vectorized `exp` and a lane-wise sum: these are
+//! as close to the reference as a libm `expf` summed in order (the goldens pass either way;
+//! where the two could disagree, a probability would sit within 1e-6 of a threshold).
 
 use crate::model::expf::{exp_nonpositive, fold_lanes, LANES};
 
