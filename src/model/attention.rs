@@ -110,6 +110,8 @@ unsafe fn dots_n<const N: usize>(
     use std::arch::x86_64::*;
     let hd = k.len();
     let n8 = hd / 8 * 8;
+    // The loads below read `hd / 8 * 8` values of each query unchecked.
+    debug_assert!(qs.len() == N && qs.iter().all(|q| q.len() >= hd));
     let q: [*const f32; N] = std::array::from_fn(|i| qs[i].as_ptr());
     let mut acc = [_mm256_setzero_ps(); N];
     let mut d = 0;
@@ -507,7 +509,8 @@ impl Block<'_> {
 /// Softmax in place, in f32: the maximum, each exponential (our [`expf`], vectorized where
 /// this is inlined), their sum in [`expf::LANES`] lanes folded in a fixed tree, and each
 /// divided by it. torch's CPU softmax likewise takes a vectorized `exp` and a lane-wise sum;
-/// libm's `expf` per score and one sum in order cost about as much as the dot products.
+/// libm's `expf` per score and one sum in order cost about as much as the dot products. A
+/// lone NaN score weighs 0 (a NaN row of scores still gives NaN, as does its NaN value).
 #[inline(always)]
 fn softmax(s: &mut [f32]) {
     let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
@@ -549,7 +552,12 @@ mod tests {
         if !has_avx2() {
             return;
         }
-        for (hd, nkv, nh, prefix, n) in [(128, 2, 8, 40, 5), (24, 2, 6, 9, 11), (64, 1, 3, 0, 3)] {
+        for (hd, nkv, nh, prefix, n) in [
+            (128, 2, 8, 40, 5),
+            (24, 2, 6, 9, 11),
+            (64, 1, 3, 0, 3),
+            (20, 1, 9, 7, 4),
+        ] {
             let shape = CacheShape {
                 n_layers: 1,
                 n_kv_heads: nkv,

@@ -8,7 +8,7 @@
 /// Lanes of the partial sums (a fixed count, so the order does not depend on the CPU).
 pub const LANES: usize = 16;
 
-/// `exp(x)` for `x <= 0` (a logit minus the row's maximum); 0 below -87 (where `exp` leaves
+/// `exp(x)` for `x <= 0` (a logit or a score minus its row's maximum); 0 below -87 (where `exp` leaves
 /// the normal floats; the maximum's own term is 1, so these never count) and for NaN.
 #[inline(always)]
 pub fn exp_nonpositive(x: f32) -> f32 {
