@@ -106,17 +106,23 @@ pub fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     for_rows(x.len() / n, n, |r| {
         // SAFETY: each task reads and writes its own rows.
         let x = unsafe { rows.get(&r, n) };
-        let mut tmp = [0f32; 512];
         for row in x.chunks_exact_mut(n) {
-            if n <= tmp.len() {
-                tmp[..n].copy_from_slice(row);
-                rms_row(&tmp[..n], w, eps, row);
-            } else {
-                let src = row.to_vec();
-                rms_row(&src, w, eps, row);
-            }
+            rms_row_in_place(row, w, eps);
         }
     });
+}
+
+/// [`rms_row`] in place: the row copied to the stack first (to the heap past 512 values).
+#[inline]
+fn rms_row_in_place(row: &mut [f32], w: &[f32], eps: f32) {
+    let mut tmp = [0f32; 512];
+    if let Some(src) = tmp.get_mut(..row.len()) {
+        src.copy_from_slice(row);
+        rms_row(src, w, eps, row);
+    } else {
+        let src = row.to_vec();
+        rms_row(&src, w, eps, row);
+    }
 }
 
 /// `x += y` (a residual connection), then `out` = each row of `x` RMS-normalized and scaled by
@@ -163,11 +169,8 @@ pub fn norm_and_rope(
             .enumerate()
         {
             for (x, w) in [(&mut *q, qw), (&mut *k, kw)] {
-                let mut tmp = [0f32; 512];
                 for head in x.chunks_exact_mut(w.len()) {
-                    let src = &mut tmp[..head.len()];
-                    src.copy_from_slice(head);
-                    rms_row(src, w, eps, head);
+                    rms_row_in_place(head, w, eps);
                 }
                 rope.rotate(x, r.start + j);
             }
@@ -333,11 +336,11 @@ mod tests {
     /// Per-head norms and RoPE in one pass give the separate steps' floats.
     #[test]
     fn norm_and_rope_is_the_two_steps() {
-        let (hd, nh, nkv) = (64, 4, 2);
-        let inv: Vec<f32> = (0..hd / 2)
-            .map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / hd as f32))
-            .collect();
-        for n in [1usize, 5, 300] {
+        for (hd, n) in [(64, 1), (64, 5), (64, 300), (640, 3)] {
+            let (nh, nkv) = (4, 2);
+            let inv: Vec<f32> = (0..hd / 2)
+                .map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / hd as f32))
+                .collect();
             let positions: Vec<u32> = (0..n as u32).map(|i| i * 3 + 7).collect();
             let rope = RopeTable::new(&positions, &inv);
             let (q, k) = (values(n * nh * hd, 1), values(n * nkv * hd, 2));

@@ -51,8 +51,8 @@ unsafe fn prefetch_part(tile: *const u8, tile_bytes: usize, part: usize, parts: 
     }
 }
 
-/// How far ahead tiles are prefetched.
-#[cfg(target_arch = "x86_64")]
+/// How far ahead tiles are prefetched (x86 and NEON).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const PREFETCH_TILES: usize = 4;
 
 /// Values per super-block.

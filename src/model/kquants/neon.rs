@@ -23,7 +23,7 @@ use std::arch::asm;
 
 use refusion_convert::gguf::GgmlType;
 
-use super::{tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
+use super::{tile_lines, PackedMatrix, PREFETCH_TILES, Q8K, QK, ROWS_PER_UNIT};
 
 /// Activation rows per pass over a run's tiles.
 const TILE_MT: usize = 4;
@@ -135,7 +135,6 @@ unsafe fn fifth_bit(hb: uint8x16_t, e: usize) -> uint8x16_t {
 /// outstanding misses (see the x86 kernels' `prefetch_part`; not measured on ARM).
 #[inline(always)]
 unsafe fn prefetch_part(tile: *const u8, tile_bytes: usize, part: usize, parts: usize) {
-    const PREFETCH_TILES: usize = 4;
     let ahead = tile.wrapping_add(PREFETCH_TILES * tile_bytes);
     let per = tile_bytes.div_ceil(64 * parts);
     for line in part * per..(part + 1) * per {
