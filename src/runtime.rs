@@ -10,6 +10,7 @@ use refusion_convert::gguf::GgufFile;
 
 use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
+use crate::kv::claim::{claim, CacheFile};
 use crate::kv::{CacheType, KvCache};
 use crate::model::{Forward, Offload, Qwen3, Qwen3Config};
 use crate::plan::{GpuInfo, GpuLayers, MemoryPlan, ModelSizes, PlanRequest};
@@ -248,6 +249,10 @@ pub fn resident_bytes() -> Option<u64> {
 pub fn load(opts: &LoadOptions) -> Result<Loaded> {
     let start = Instant::now();
     crate::model::kquants::check_env().map_err(Error::msg)?;
+    // Before anything loads: never a file of the user's, least of all the model itself.
+    if let Some(kv) = &opts.kv_file {
+        claim(kv, CacheFile::Live, Some(&opts.path))?;
+    }
     let file = Arc::new(GgufFile::open(&opts.path)?);
     let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
     // The tokenizer (a vocabulary and merge table to build) loads beside the weights; its

@@ -4,6 +4,7 @@
 pub mod convert;
 pub mod decoding;
 pub mod error;
+pub mod files;
 pub mod gguf;
 pub mod hf;
 pub mod info;

@@ -16,6 +16,7 @@ use refusion_convert::DecodingDefaults;
 use super::model_args::ModelArgs;
 use crate::chat::{ChatTemplate, Message, TextStream, Tokenizer};
 use crate::decode::{DecodeParams, Event};
+use crate::kv::claim::{claim, CacheFile};
 use crate::runtime::load;
 use crate::session::Session;
 
@@ -328,6 +329,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         return run_batch(&a, path);
     }
     let opts = a.model.load_options(true)?;
+    if let Some(path) = &a.prompt_cache {
+        claim(path, CacheFile::Prefix, Some(&opts.path))?;
+    }
     let file_text = match (&a.prompt_ids, &a.prompt, &a.file) {
         (None, None, Some(path)) => Some(read_prompt_file(path)?),
         _ => None,
@@ -372,6 +376,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if let Some(path) = a.prompt_cache.as_ref().filter(|p| p.exists()) {
         match session.cache.load_prefix(path, model_hash) {
             Ok(saved) => session.set_cached(saved.tokens),
+            // Ours (checked before loading) but for another model or shape: rebuilt.
             Err(e) => eprintln!("prompt cache: {e}; starting fresh"),
         }
     }

@@ -2,13 +2,14 @@
 //! file with `--kv-file`), laid out `[layer, K|V, kv head, slot, head_dim]`, so that every
 //! (layer, kind, head) is one contiguous array over the slots that attention reads in place.
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::path::Path;
 
 use half::f16;
-use memmap2::MmapMut;
+use memmap2::{MmapMut, MmapOptions};
 
 use super::cells::Move;
+use super::claim::{claim, CacheFile, Claim, LIVE_MAGIC};
 use super::{CacheShape, CacheType, HeadView, Kv};
 use crate::error::{Error, Result};
 
@@ -21,13 +22,106 @@ pub struct HostStore {
     capacity: usize,
     ty: CacheType,
     mmap: MmapMut,
+    /// The `--kv-file`, held open for its lock while the map lives.
+    _file: Option<File>,
     /// Reused staging buffer for moves.
     staging: Vec<u8>,
 }
 
+/// Bytes before the entries in a `--kv-file`: the header, padded to a page on every system we
+/// build for (4, 16 or 64 KiB), so that the entries are mapped at a page-aligned offset.
+pub const FILE_HEADER_BYTES: u64 = 64 << 10;
+const FILE_VERSION: u32 = 1;
+
+/// Opens (or creates) a `--kv-file` for a cache of `bytes` entry bytes. The path must be
+/// absent, empty, or a cache of ours ([`claim`]): a new file is created exclusively, an
+/// existing one is checked again through the open descriptor (so a file swapped in after the
+/// claim is not taken), locked against a second refusion, then cleared and given this cache's
+/// header. Returns the file (its lock lasts as long as it is open) and the map of the entries.
+fn open_cache_file(
+    p: &Path,
+    shape: &CacheShape,
+    first_layer: usize,
+    ty: CacheType,
+    bytes: usize,
+) -> Result<(File, MmapMut)> {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let io = |e: std::io::Error| Error::msg(format!("{}: {e}", p.display()));
+    let file = match claim(p, CacheFile::Live, None)? {
+        Claim::Absent => OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(p)
+            .map_err(io)?,
+        Claim::Empty | Claim::Ours => {
+            let mut f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(p)
+                .map_err(io)?;
+            let meta = f.metadata().map_err(io)?;
+            let mut head = [0u8; 4];
+            let ours = meta.is_file()
+                && (meta.len() == 0 || (f.read_exact(&mut head).is_ok() && &head == LIVE_MAGIC));
+            if !ours {
+                return Err(Error::msg(format!(
+                    "{}: changed while being opened; refusing to overwrite it",
+                    p.display()
+                )));
+            }
+            f
+        }
+    };
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(Error::msg(format!(
+                "{}: in use by another refusion (each run needs its own --kv-file)",
+                p.display()
+            )))
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
+    }
+    let len = bytes.max(1);
+    let total = (len as u64)
+        .checked_add(FILE_HEADER_BYTES)
+        .ok_or_else(|| Error::msg("KV cache size overflows"))?;
+    // Cleared first: the old entries are another run's and must not be read as ours.
+    file.set_len(0).map_err(io)?;
+    file.set_len(total).map_err(io)?;
+    let mut header = Vec::with_capacity(48);
+    header.extend_from_slice(LIVE_MAGIC);
+    for v in [
+        FILE_VERSION,
+        matches!(ty, CacheType::F16) as u32,
+        shape.n_layers as u32,
+        first_layer as u32,
+        shape.n_kv_heads as u32,
+        shape.head_dim as u32,
+    ] {
+        header.extend_from_slice(&v.to_le_bytes());
+    }
+    header.extend_from_slice(&(shape.capacity as u64).to_le_bytes());
+    header.extend_from_slice(&FILE_HEADER_BYTES.to_le_bytes());
+    let mut w = &file;
+    w.seek(SeekFrom::Start(0)).map_err(io)?;
+    w.write_all(&header).map_err(io)?;
+    // SAFETY: the file is ours (checked through this descriptor) and locked against another
+    // refusion; the map covers the entries after the header, within the length just set.
+    let map = unsafe {
+        MmapOptions::new()
+            .offset(FILE_HEADER_BYTES)
+            .len(len)
+            .map_mut(&file)
+    }
+    .map_err(io)?;
+    Ok((file, map))
+}
+
 impl HostStore {
-    /// The map for layers `first_layer..shape.n_layers`, backed by `path` when given (created
-    /// or truncated to the size). Pages are only touched as entries are written.
+    /// The map for layers `first_layer..shape.n_layers`, backed by `path` when given (see
+    /// [`open_cache_file`]). Pages are only touched as entries are written.
     pub fn new(
         shape: &CacheShape,
         first_layer: usize,
@@ -38,6 +132,7 @@ impl HostStore {
         let bytes = (n_layers * 2 * shape.n_kv_heads * shape.head_dim * ty.size())
             .checked_mul(shape.capacity)
             .ok_or_else(|| Error::msg("KV cache size overflows"))?;
+        let mut _file = None;
         let mmap = match path {
             None => MmapMut::map_anon(bytes.max(1)).map_err(|e| {
                 Error::msg(format!(
@@ -45,17 +140,9 @@ impl HostStore {
                 ))
             })?,
             Some(p) => {
-                let io = |e: std::io::Error| Error::msg(format!("{}: {e}", p.display()));
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .open(p)
-                    .map_err(io)?;
-                file.set_len(bytes as u64).map_err(io)?;
-                // SAFETY: the file was just created for this cache; nothing else maps it.
-                unsafe { MmapMut::map_mut(&file) }.map_err(io)?
+                let (file, map) = open_cache_file(p, shape, first_layer, ty, bytes)?;
+                _file = Some(file);
+                map
             }
         };
         Ok(HostStore {
@@ -66,6 +153,7 @@ impl HostStore {
             capacity: shape.capacity,
             ty,
             mmap,
+            _file,
             staging: Vec::new(),
         })
     }

@@ -4,7 +4,9 @@
 //! - [`cells`]: which slot holds what (sequences, their shared prefixes and private rows, the
 //!   regions they live in, reference counts);
 //! - [`host`] and [`device`]: the K/V bytes of the mapped and the device-resident layers;
-//! - [`saved`]: a sequence's prefix in a file (`--prompt-cache`, chat's `/save`).
+//! - [`saved`]: a sequence's prefix in a file (`--prompt-cache`, chat's `/save`);
+//! - [`claim`]: whether a path may be written as one of those files (never a file of the
+//!   user's that is not ours).
 //!
 //! A *sequence* (one request) has a shared prefix, which each of its rows attends to and which
 //! is read in place, never copied per row: segments borrowed from other sequences (a common
@@ -18,6 +20,7 @@
 //! [`SeqId::DEFAULT`], over the whole capacity, and its methods without a sequence act on it.
 
 pub mod cells;
+pub mod claim;
 pub mod device;
 pub mod host;
 pub mod saved;
@@ -571,8 +574,14 @@ mod tests {
         let c = KvCache::with_file(shape(), CacheType::F32, &path).unwrap();
         assert_eq!(
             std::fs::metadata(&path).unwrap().len(),
-            (shape().bytes_per_token(CacheType::F32) * 16) as u64
+            host::FILE_HEADER_BYTES + (shape().bytes_per_token(CacheType::F32) * 16) as u64
         );
+        // A second cache on the same file is refused while the first holds it.
+        let e = KvCache::with_file(shape(), CacheType::F32, &path)
+            .err()
+            .expect("locked")
+            .to_string();
+        assert!(e.contains("in use by another refusion"), "{e}");
         check_ops(c);
     }
 

@@ -16,14 +16,16 @@ pub struct SavedPrefix {
     pub extra: Vec<u8>,
 }
 
-const SAVE_MAGIC: &[u8; 4] = b"RFKV";
+const SAVE_MAGIC: &[u8; 4] = super::claim::PREFIX_MAGIC;
 const SAVE_VERSION: u32 = 1;
 const SAVE_HEADER: usize = 4 + 4 + 8 + 4 * 4 + 8 * 3;
 
 impl KvCache {
     /// Writes the default sequence's shared entries at positions `0..tokens.len()` (their K/V,
     /// positions and tokens) and `extra` to `path`, atomically (a temporary file, then a
-    /// rename). `model_hash` ties the file to the model
+    /// rename). The path must be absent, empty or a saved prefix already
+    /// ([`super::claim::claim`]): any other file is left as it is. `model_hash` ties the file to
+    /// the model
     /// ([`refusion_convert::gguf::GgufFile::layout_hash`]).
     pub fn save_prefix(
         &self,
@@ -32,6 +34,7 @@ impl KvCache {
         tokens: &[u32],
         extra: &[u8],
     ) -> Result<()> {
+        super::claim::claim(path, super::claim::CacheFile::Prefix, None)?;
         let n = tokens.len();
         let slots: Vec<usize> = self
             .cells
@@ -118,7 +121,7 @@ impl KvCache {
         self.crop(0);
         let bad = |m: &str| Error::msg(format!("{}: {m}", path.display()));
         let io = |e: std::io::Error| Error::msg(format!("{}: {e}", path.display()));
-        let file = std::fs::File::open(path).map_err(io)?;
+        let file = refusion_convert::files::open_regular(path)?;
         if file.metadata().map_err(io)?.len() < SAVE_HEADER as u64 {
             return Err(bad("not a refusion KV cache file (too short)"));
         }

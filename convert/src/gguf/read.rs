@@ -241,7 +241,7 @@ impl GgufFile {
                  (refusion convert DIR)",
             ));
         }
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::files::open_regular(path)?;
         let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         if len == 0 {
             return Err(Error::bad(path, "file is empty"));

@@ -4,7 +4,6 @@ pub mod config;
 pub mod tokenizer;
 pub mod weights;
 
-use std::fs;
 use std::path::Path;
 
 use memmap2::{Mmap, UncheckedAdvice};
@@ -25,6 +24,6 @@ pub fn release_pages(mmap: &Mmap, start: usize, len: usize) {
 
 /// Reads and parses a JSON file, naming the file in any error.
 pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::files::read_to_string_regular(path)?;
     serde_json::from_str(&text).map_err(|e| Error::bad(path, format!("invalid JSON: {e}")))
 }

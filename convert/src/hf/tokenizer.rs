@@ -166,8 +166,7 @@ impl GgufVocab {
                 ));
             }
             let vocab = parse_vocab(&vocab_path, &read_json(&vocab_path)?)?;
-            let text =
-                std::fs::read_to_string(&merges_path).map_err(|e| Error::io(&merges_path, e))?;
+            let text = crate::files::read_to_string_regular(&merges_path)?;
             let merges: Vec<String> = text
                 .lines()
                 .filter(|l| !l.starts_with("#version") && !l.trim().is_empty())
@@ -303,7 +302,7 @@ impl GgufVocab {
             _ => {
                 let jinja = dir.join("chat_template.jinja");
                 if jinja.is_file() {
-                    Some(std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?)
+                    Some(crate::files::read_to_string_regular(&jinja)?)
                 } else {
                     None
                 }

@@ -2,7 +2,6 @@
 //! `model.safetensors.index.json`. Nothing is read until a tensor's rows are asked for.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
@@ -160,7 +159,7 @@ impl Weights {
             tensors: BTreeMap::new(),
         };
         if index.is_file() {
-            let text = std::fs::read(&index).map_err(|e| Error::io(&index, e))?;
+            let text = crate::files::read_to_string_regular(&index)?.into_bytes();
             let weight_map = parse_index(&text).map_err(|m| Error::bad(&index, m))?;
             let mut files: Vec<&String> = weight_map.values().collect();
             files.sort();
@@ -205,7 +204,7 @@ impl Weights {
     }
 
     fn add_shard(&mut self, path: &Path) -> Result<()> {
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::files::open_regular(path)?;
         // SAFETY: read-only map; the header is validated before any offset is used, and a file
         // changed underneath us can only produce wrong values, which the converter then writes.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
