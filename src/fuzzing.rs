@@ -138,3 +138,81 @@ pub fn server_request(data: &[u8]) {
         let _ = params_for(&r.knobs, &limits);
     }
 }
+
+/// ReFusion's `refusion.*` metadata and the decoding values over them: the first bytes pick
+/// each key's type (or its absence) and value, the rest are the flags' and a request's values.
+/// Whatever is accepted must give sizes that fit, and a decoder that starts.
+pub fn decoding_values(data: &[u8]) {
+    use refusion_convert::decoding::*;
+    let mut bytes = data.iter().copied().chain(std::iter::repeat(0));
+    let mut word = || {
+        let mut b = [0u8; 8];
+        for x in &mut b {
+            *x = bytes.next().unwrap_or(0);
+        }
+        u64::from_le_bytes(b)
+    };
+    let mut metadata = Vec::new();
+    for key in [
+        KEY_GEN_LENGTH,
+        KEY_SLOT_SIZE,
+        KEY_SERIAL_BLOCKS,
+        KEY_SLOT_THRESHOLD,
+        KEY_TOKEN_THRESHOLD,
+    ] {
+        let (pick, v) = (word(), word());
+        let value = match pick % 8 {
+            0 => continue,
+            1 => Value::U32(v as u32),
+            2 => Value::U64(v),
+            3 => Value::I64(v as i64),
+            4 => Value::I32(v as i32),
+            5 => Value::F32(f32::from_bits(v as u32)),
+            6 => Value::F64(f64::from_bits(v)),
+            _ => Value::U8(v as u8),
+        };
+        metadata.push((key.to_string(), value));
+    }
+    let h = GgufHeader {
+        version: 3,
+        metadata,
+        tensors: Vec::new(),
+        alignment: 32,
+        data_offset: 0,
+    };
+    let Ok(d) = DecodingDefaults::from_metadata(&h) else {
+        return;
+    };
+    let mut p = DecodeParams::new(d, 1, 2);
+    let flags = [word(), word(), word()];
+    let block = p.block_length();
+    if flags[0] % 2 == 1 {
+        p.gen_length = (flags[0] >> 1) as u32;
+        p.fit_serial_blocks(block);
+    }
+    if flags[1] % 2 == 1 {
+        p.slot_size = (flags[1] >> 1) as u32;
+    }
+    if flags[2] % 2 == 1 {
+        p.serial_blocks = (flags[2] >> 1) as u32;
+    }
+    let _ = (p.padded_gen_length(), p.block_length(), p.dropped_tail());
+    let limits = Limits {
+        base: p.clone(),
+        max_gen_length: (word() as u32).clamp(1, MAX_TOKENS),
+        parallel: 1,
+    };
+    let knobs = crate::server::api::Knobs {
+        max_tokens: Some(word() as u32),
+        slot_size: Some(word() as u32),
+        serial_blocks: Some(word() as u32),
+        ..Default::default()
+    };
+    let _ = params_for(&knobs, &limits);
+    let prompt = [3u32, 4, 5];
+    if crate::decode::check(&prompt, &p, 16, 4 * MAX_TOKENS as usize).is_ok() {
+        assert!(p.padded_gen_length() <= 2 * MAX_TOKENS);
+        let mut decoder = crate::decode::Decoder::new(&prompt, 0, &p);
+        let _ = decoder.poll(&mut |_| {});
+    }
+}

@@ -146,6 +146,15 @@ fn open_cuda(_n: usize) -> Result<Device> {
 /// The context when `-c` is not given (llama.cpp's default is 4096 too).
 pub const DEFAULT_CONTEXT: usize = 4096;
 
+/// The largest context accepted (`-c`, or a file's trained context with `-c 0`): 2^24 tokens,
+/// far beyond what a Qwen3 is trained on, and small enough that positions (u32) and every size
+/// the memory plan multiplies from it stay exact.
+pub const MAX_CONTEXT: usize = 1 << 24;
+
+/// The most threads accepted (`-t`), as llama.cpp's `GGML_MAX_N_THREADS`: far more than any
+/// CPU has, and few enough that spawning them cannot take minutes.
+pub const MAX_THREADS: usize = 512;
+
 /// How to load a model.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -263,7 +272,18 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
             let device = opts.device.open()?;
             let cfg = Qwen3Config::from_gguf(&file.header).map_err(in_file)?;
             let context = match opts.context {
+                Some(0) if cfg.context_length > MAX_CONTEXT => {
+                    return Err(Error::msg(format!(
+                        "-c 0 asks for the trained context, qwen3.context_length = {}, beyond the                          most refusion runs ({MAX_CONTEXT}); give -c",
+                        cfg.context_length
+                    )))
+                }
                 Some(0) => cfg.context_length,
+                Some(n) if n > MAX_CONTEXT => {
+                    return Err(Error::msg(format!(
+                        "-c {n} is beyond the most refusion runs ({MAX_CONTEXT})"
+                    )))
+                }
                 Some(n) => n,
                 None => DEFAULT_CONTEXT.min(cfg.context_length),
             };

@@ -5,11 +5,11 @@
 mod common;
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
 use common::*;
-use refusion::convert::gguf::{GgufFile, GgufWriter, TensorSpec, Value};
+use refusion::convert::gguf::Value;
 
 struct Env {
     tmp: tempfile::TempDir,
@@ -31,28 +31,6 @@ fn gguf_bytes(n_tensors: u64, n_kv: u64, tail: &[u8]) -> Vec<u8> {
     b.extend_from_slice(&n_kv.to_le_bytes());
     b.extend_from_slice(tail);
     b
-}
-
-/// Rewrites a GGUF with metadata edited (tensors unchanged).
-fn with_metadata(src: &Path, dst: &Path, edit: impl Fn(&mut Vec<(String, Value)>)) {
-    let f = GgufFile::open(src).unwrap();
-    let mut meta = f.header.metadata.clone();
-    edit(&mut meta);
-    let specs: Vec<TensorSpec> = f
-        .header
-        .tensors
-        .iter()
-        .map(|t| TensorSpec {
-            name: t.name.clone(),
-            ne: t.ne.clone(),
-            ty: t.ty,
-        })
-        .collect();
-    let mut w = GgufWriter::new(fs::File::create(dst).unwrap(), &meta, &specs).unwrap();
-    for t in &f.header.tensors {
-        w.write_data(f.tensor_data(t)).unwrap();
-    }
-    w.finish().unwrap();
 }
 
 fn setup() -> Env {
@@ -339,7 +317,7 @@ fn every_command_refuses_bad_input_cleanly() {
         case(&["chat", "-m", &e.s("magic.gguf")], &["not a GGUF file"]),
         case(
             &["chat", "-m", &e.s("good.gguf"), "--slot-size", "0"],
-            &["must all be positive"],
+            &["--slot-size must be between 1 and 1048576, got 0"],
         ),
         // serve
         case(
@@ -356,7 +334,7 @@ fn every_command_refuses_bad_input_cleanly() {
         ),
         case(
             &["serve", "-m", &e.s("good.gguf"), "--queue", "0"],
-            &["--queue must be at least 1"],
+            &["--queue must be between 1 and 65536, got 0"],
         ),
         case(
             &["serve", "-m", &e.s("counts.gguf")],
@@ -371,7 +349,7 @@ fn every_command_refuses_bad_input_cleanly() {
         &["the prompt is empty"],
         &["contains the mask token (511)"],
         &["prompt token 512 is outside the vocabulary (512)"],
-        &["must all be positive"],
+        &["-n must be -1 (the file's gen length) or between 1 and 1048576, got 0"],
         &["serial blocks that work"],
         &["--token-threshold must be in [0, 1]"],
         &["more than the context of 1024"],

@@ -49,3 +49,8 @@ fn chat_template() {
 fn server_request() {
     replay("server_request", refusion::fuzzing::server_request);
 }
+
+#[test]
+fn decoding_values() {
+    replay("decoding_values", refusion::fuzzing::decoding_values);
+}

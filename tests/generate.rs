@@ -110,11 +110,11 @@ fn parameter_and_prompt_errors() {
         ),
         (
             &["--prompt-ids", "1,2", "-n", "0"],
-            &["must all be positive"],
+            &["-n must be -1 (the file's gen length) or between 1 and"],
         ),
         (
             &["--prompt-ids", "1,2", "--slot-size", "0"],
-            &["must all be positive"],
+            &["--slot-size must be between 1 and"],
         ),
         (
             &["--prompt-ids", "1,2", "--temp=-1"],

@@ -7,9 +7,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args};
-use refusion_convert::decoding::{
-    KEY_GEN_LENGTH, KEY_SERIAL_BLOCKS, KEY_SLOT_SIZE, KEY_SLOT_THRESHOLD, KEY_TOKEN_THRESHOLD,
-};
+use refusion_convert::decoding::{KEY_GEN_LENGTH, KEY_SERIAL_BLOCKS, KEY_SLOT_SIZE, MAX_TOKENS};
 use refusion_convert::gguf::{GgufHeader, Value};
 use refusion_convert::DecodingDefaults;
 
@@ -76,14 +74,15 @@ pub struct GenerateArgs {
 /// ReFusion's decoding knobs, shared by `generate`, `chat` and `serve`.
 #[derive(Args, Clone, Debug)]
 pub struct DecodeArgs {
-    /// Tokens to generate (rounded up to whole slots) [default: from the file, else 512].
-    #[arg(short = 'n', long)]
-    gen_length: Option<u32>,
+    /// Tokens to generate (rounded up to whole slots; -1: the file's) [default: from the file,
+    /// else 512].
+    #[arg(short = 'n', long, allow_negative_numbers = true)]
+    gen_length: Option<i64>,
     /// Tokens per slot [default: from the file, else 4].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     slot_size: Option<u32>,
     /// Serial blocks the answer is decoded in, left to right [default: from the file, else 32].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     serial_blocks: Option<u32>,
     /// Slots whose first token is more likely than this are drafted together [default: 0.6].
     #[arg(long, allow_negative_numbers = true)]
@@ -94,9 +93,9 @@ pub struct DecodeArgs {
     /// Temperature of the planning drafts (0: greedy).
     #[arg(long = "temp", default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f64,
-    /// Seed of the sampling noise.
-    #[arg(short = 's', long, default_value_t = 0)]
-    seed: u64,
+    /// Seed of the sampling noise (-1: a random one, printed).
+    #[arg(short = 's', long, default_value_t = 0, allow_negative_numbers = true)]
+    seed: i128,
     /// llama.cpp's sampling flags, which slot decoding cannot honour: refused by name.
     #[arg(long = "top-k", hide = true, allow_hyphen_values = true)]
     top_k: Option<String>,
@@ -127,6 +126,28 @@ impl DecodeArgs {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             anyhow::bail!("--temp must be >= 0, got {}", self.temperature);
         }
+        if let Some(n) = self.gen_length.filter(|&n| n != -1) {
+            if !(1..=MAX_TOKENS as i64).contains(&n) {
+                anyhow::bail!(
+                    "-n must be -1 (the file's gen length) or between 1 and {MAX_TOKENS}, got {n}"
+                );
+            }
+        }
+        if !(-1..=u64::MAX as i128).contains(&self.seed) {
+            anyhow::bail!(
+                "-s must be -1 (a random seed) or between 0 and {}, got {}",
+                u64::MAX,
+                self.seed
+            );
+        }
+        for (flag, v) in [
+            ("--slot-size", self.slot_size),
+            ("--serial-blocks", self.serial_blocks),
+        ] {
+            if let Some(v) = v.filter(|v| !(1..=MAX_TOKENS).contains(v)) {
+                anyhow::bail!("{flag} must be between 1 and {MAX_TOKENS}, got {v}");
+            }
+        }
         for (flag, v) in [
             ("--slot-threshold", self.slot_threshold),
             ("--token-threshold", self.token_threshold),
@@ -138,9 +159,29 @@ impl DecodeArgs {
         Ok(())
     }
 
+    /// `-n`, where it is given as a number (-1 is the file's).
+    fn gen_length(&self) -> Option<u32> {
+        self.gen_length.and_then(|n| u32::try_from(n).ok())
+    }
+
+    /// `-s`; -1 draws a random seed and prints it, so the run can be repeated.
+    fn seed(&self) -> u64 {
+        match u64::try_from(self.seed) {
+            Ok(s) => s,
+            Err(_) => {
+                use std::hash::{BuildHasher, Hasher};
+                let s = std::collections::hash_map::RandomState::new()
+                    .build_hasher()
+                    .finish();
+                eprintln!("seed: {s}");
+                s
+            }
+        }
+    }
+
     /// The parameters: these flags over the file's defaults over the model card's.
     pub fn params(&self, header: &GgufHeader, tok: &Tokenizer) -> Result<DecodeParams> {
-        let d = file_defaults(header);
+        let d = DecodingDefaults::from_metadata(header).map_err(anyhow::Error::msg)?;
         let eos = tok
             .eos_id
             .context("the model file has no EOS token (tokenizer.ggml.eos_token_id)")?;
@@ -153,20 +194,35 @@ impl DecodeArgs {
             );
         }
         let mut p = DecodeParams::new(d, eos, mask);
-        p.gen_length = self.gen_length.unwrap_or(d.gen_length);
+        p.gen_length = self.gen_length().unwrap_or(d.gen_length);
         p.slot_size = self.slot_size.unwrap_or(d.slot_size);
         p.serial_blocks = self.serial_blocks.unwrap_or(d.serial_blocks);
         if self.serial_blocks.is_none() && p.gen_length != d.gen_length {
             // Keep the default block length rather than the default block count.
-            let block =
-                d.gen_length.div_ceil(d.slot_size.max(1)) * d.slot_size / d.serial_blocks.max(1);
+            let block = DecodeParams::new(d, eos, mask).block_length();
             p.fit_serial_blocks(block);
         }
         p.slot_threshold = self.slot_threshold.unwrap_or(d.slot_threshold);
         p.token_threshold = self.token_threshold.unwrap_or(d.token_threshold);
         p.temperature = self.temperature;
-        p.seed = self.seed;
-        p.validate()?;
+        p.seed = self.seed();
+        p.validate().map_err(|e| {
+            // Name the file's keys behind the values the flags left alone.
+            let from_file: Vec<String> = [
+                (self.gen_length(), KEY_GEN_LENGTH, "-n"),
+                (self.slot_size, KEY_SLOT_SIZE, "--slot-size"),
+                (self.serial_blocks, KEY_SERIAL_BLOCKS, "--serial-blocks"),
+            ]
+            .iter()
+            .filter(|(flag, key, _)| flag.is_none() && header.get(key).is_some())
+            .map(|(_, key, flag)| format!("{key} (or {flag})"))
+            .collect();
+            if from_file.is_empty() {
+                anyhow::Error::from(e)
+            } else {
+                anyhow::anyhow!("{e}; from the file's {}", from_file.join(", "))
+            }
+        })?;
         if p.dropped_tail() > 0 {
             eprintln!(
                 "note: the last {} positions do not fill a serial block and are not generated (as in the reference)",
@@ -211,30 +267,6 @@ fn run_batch(a: &GenerateArgs, path: &std::path::Path) -> Result<()> {
             quiet: a.model.log_disable,
         },
     )
-}
-
-/// The `refusion.*` decoding defaults of a file, else the model card's.
-pub fn file_defaults(h: &GgufHeader) -> DecodingDefaults {
-    let d = DecodingDefaults::default();
-    let u = |k: &str, v: u32| {
-        h.get(k)
-            .and_then(Value::as_u64)
-            .map(|x| x as u32)
-            .unwrap_or(v)
-    };
-    let f = |k: &str, v: f32| {
-        h.get(k)
-            .and_then(Value::as_f64)
-            .map(|x| x as f32)
-            .unwrap_or(v)
-    };
-    DecodingDefaults {
-        gen_length: u(KEY_GEN_LENGTH, d.gen_length),
-        slot_size: u(KEY_SLOT_SIZE, d.slot_size),
-        serial_blocks: u(KEY_SERIAL_BLOCKS, d.serial_blocks),
-        slot_threshold: f(KEY_SLOT_THRESHOLD, d.slot_threshold),
-        token_threshold: f(KEY_TOKEN_THRESHOLD, d.token_threshold),
-    }
 }
 
 /// The prompt's token ids, through the chat template where there is text.

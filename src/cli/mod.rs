@@ -110,6 +110,16 @@ pub(crate) fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
             Some(&done) => anyhow::bail!("cannot set {n} threads: already running with {done}"),
             None => {}
         }
+        // The CPUs this process may run on (its affinity mask and cgroup quota): more threads
+        // than that only take turns.
+        if let Some(cpus) = std::thread::available_parallelism()
+            .ok()
+            .filter(|c| n > c.get())
+        {
+            eprintln!(
+                "warning: -t {n} is more threads than the {cpus} CPUs this process may use;                  they will take turns, which is slower (-t {cpus} or fewer)"
+            );
+        }
         // candle reads RAYON_NUM_THREADS for its gemm parallelism; set before any use.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
         rayon::ThreadPoolBuilder::new()

@@ -6,7 +6,7 @@ use clap::Args;
 
 use crate::kv::CacheType;
 use crate::plan::GpuLayers;
-use crate::runtime::{DeviceChoice, LoadOptions};
+use crate::runtime::{DeviceChoice, LoadOptions, MAX_CONTEXT, MAX_THREADS};
 
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
@@ -24,10 +24,10 @@ pub struct ModelArgs {
     pub hf_repo: Option<String>,
     /// Context size in tokens (0: the model's trained context) [default: 4096, or the
     /// trained context if it is smaller].
-    #[arg(short = 'c', long = "ctx-size")]
+    #[arg(short = 'c', long = "ctx-size", value_parser = parse_context, allow_negative_numbers = true)]
     pub ctx_size: Option<usize>,
     /// Threads for the forward (default: all cores).
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = parse_threads, allow_negative_numbers = true)]
     pub threads: Option<usize>,
     /// KV cache element type: f32 or f16.
     #[arg(long, default_value = "f32", value_parser = parse_cache_type)]
@@ -43,7 +43,7 @@ pub struct ModelArgs {
     #[arg(long = "n-gpu-layers", visible_alias = "gpu-layers", value_name = "N|auto|all", value_parser = parse_gpu_layers)]
     pub gpu_layers: Option<GpuLayers>,
     /// Most tokens per forward chunk (`-ub`); the memory plan may lower it to fit the GPU.
-    #[arg(long = "ubatch-size", default_value_t = crate::model::qwen3::DEFAULT_UBATCH, value_parser = parse_ubatch)]
+    #[arg(long = "ubatch-size", default_value_t = crate::model::qwen3::DEFAULT_UBATCH, value_parser = parse_ubatch, allow_negative_numbers = true)]
     pub ubatch: usize,
     /// Copy the weights into memory instead of reading them from the memory-mapped file
     /// (llama.cpp's --no-mmap; uses more memory, avoids page faults on slow filesystems).
@@ -69,9 +69,27 @@ pub struct ModelArgs {
 
 fn parse_ubatch(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
+        Ok(n) if n > 0 && n <= MAX_CONTEXT => Ok(n),
         _ => Err(format!(
-            "invalid micro-batch '{s}' (expected a positive number of tokens)"
+            "invalid micro-batch '{s}' (expected a positive number of tokens, at most {MAX_CONTEXT})"
+        )),
+    }
+}
+
+fn parse_context(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n <= MAX_CONTEXT => Ok(n),
+        _ => Err(format!(
+            "invalid context '{s}' (expected 0 for the model's trained context, or a number of tokens up to {MAX_CONTEXT})"
+        )),
+    }
+}
+
+fn parse_threads(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n <= MAX_THREADS => Ok(n),
+        _ => Err(format!(
+            "invalid thread count '{s}' (expected 0 for one per core, or up to {MAX_THREADS})"
         )),
     }
 }

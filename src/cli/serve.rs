@@ -6,6 +6,8 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::Args;
 
+use refusion_convert::decoding::MAX_TOKENS;
+
 use super::generate::DecodeArgs;
 use super::model_args::ModelArgs;
 use crate::runtime::load;
@@ -28,17 +30,22 @@ pub struct ServeArgs {
     #[arg(long)]
     api_key: Option<String>,
     /// Requests that may wait for the model; more get HTTP 503.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
     queue: usize,
     /// Requests decoded together, as rows of one forward (continuous batching; llama-server's
     /// -np). Each holds its prompt, answer and a block of scratch in the KV cache (-c).
-    #[arg(long = "parallel", default_value_t = 4, value_name = "N")]
+    #[arg(
+        long = "parallel",
+        default_value_t = 4,
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
     parallel: usize,
     /// Largest request body accepted (HTTP 413 beyond).
-    #[arg(long, default_value_t = 1 << 20)]
+    #[arg(long, default_value_t = 1 << 20, allow_negative_numbers = true)]
     max_body_bytes: usize,
     /// Largest max_tokens a request may ask for.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, allow_negative_numbers = true)]
     max_gen_length: u32,
     /// More in the request log (the user agent, body sizes).
     #[arg(short = 'v', long)]
@@ -56,7 +63,12 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     idle_timeout: f64,
     /// Open connections at most; more are answered 503 and closed.
-    #[arg(long, default_value_t = 256, value_name = "N")]
+    #[arg(
+        long,
+        default_value_t = 256,
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
     max_connections: usize,
     /// Seconds responses in flight get to end after SIGINT/SIGTERM (generations are cancelled).
     #[arg(long, default_value_t = 5.0, value_name = "SECS")]
@@ -111,8 +123,21 @@ pub fn run(a: ServeArgs) -> Result<()> {
     a.decode.check()?;
     init_log(a.verbose, a.model.log_disable);
     super::set_threads(a.model.threads)?;
-    if a.queue == 0 {
-        anyhow::bail!("--queue must be at least 1");
+    if !(1..=65_536).contains(&a.queue) {
+        anyhow::bail!("--queue must be between 1 and 65536, got {}", a.queue);
+    }
+    if !(1..=MAX_TOKENS).contains(&a.max_gen_length) {
+        anyhow::bail!(
+            "--max-gen-length must be between 1 and {MAX_TOKENS}, got {}",
+            a.max_gen_length
+        );
+    }
+    if a.max_body_bytes == 0 || a.max_body_bytes > 1 << 30 {
+        anyhow::bail!(
+            "--max-body-bytes must be between 1 and {} (1 GiB), got {}",
+            1u64 << 30,
+            a.max_body_bytes
+        );
     }
     if !(1..=256).contains(&a.parallel) {
         anyhow::bail!("--parallel must be between 1 and 256, got {}", a.parallel);

@@ -47,8 +47,16 @@ impl DecodeParams {
     }
 
     /// The gen length rounded up to whole slots.
+    /// Saturates at u32::MAX for values [`Self::validate`] refuses (it never overflows).
     pub fn padded_gen_length(&self) -> u32 {
-        self.gen_length.div_ceil(self.slot_size.max(1)) * self.slot_size
+        let k = self.slot_size.max(1) as u64;
+        let padded = (self.gen_length as u64).div_ceil(k) * k;
+        u32::try_from(padded).unwrap_or(u32::MAX)
+    }
+
+    /// Tokens per serial block (the padded length over the serial blocks).
+    pub fn block_length(&self) -> u32 {
+        self.padded_gen_length() / self.serial_blocks.max(1)
     }
 
     /// Positions after the last serial block that the reference never generates (when the
@@ -64,7 +72,8 @@ impl DecodeParams {
     /// card's 16-token blocks gives 4 blocks, where 32 would not split).
     pub fn fit_serial_blocks(&mut self, block_len: u32) {
         let (k, padded) = (self.slot_size.max(1), self.padded_gen_length());
-        if padded == 0 {
+        // Out of range: left for `validate` to refuse (and not worth a search).
+        if padded == 0 || padded > 2 * refusion_convert::decoding::MAX_TOKENS {
             return;
         }
         let target = block_len.max(k);
@@ -108,5 +117,36 @@ mod tests {
         p.fit_serial_blocks(16);
         assert_eq!(p.serial_blocks, 32);
         assert!(p.validate().is_ok());
+    }
+
+    #[test]
+    fn any_u32_is_refused_or_works_without_overflow() {
+        let edge = [
+            0,
+            1,
+            2,
+            3,
+            4,
+            7,
+            64,
+            1 << 20,
+            (1 << 20) + 1,
+            u32::MAX / 2,
+            u32::MAX - 1,
+            u32::MAX,
+        ];
+        for &l in &edge {
+            for &k in &edge {
+                for &b in &edge {
+                    let mut p = DecodeParams::new(DecodingDefaults::default(), 1, 2);
+                    (p.gen_length, p.slot_size, p.serial_blocks) = (l, k, b);
+                    let _ = (p.padded_gen_length(), p.block_length(), p.dropped_tail());
+                    p.fit_serial_blocks(b);
+                    if p.validate().is_ok() {
+                        assert!(p.padded_gen_length() <= 2 << 20);
+                    }
+                }
+            }
+        }
     }
 }

@@ -14,6 +14,7 @@ use crate::decode::{DecodeParams, Event};
 use crate::error::{Error, RequestError};
 use crate::runtime::Loaded;
 use crate::sched::{Request, Scheduler, Stats, Update};
+use refusion_convert::decoding::MAX_TOKENS;
 
 pub enum JobInput {
     Chat(Vec<Message>),
@@ -185,6 +186,17 @@ pub fn params_for(knobs: &Knobs, limits: &Limits) -> Result<DecodeParams, ApiErr
     if let Some(s) = knobs.seed {
         p.seed = s;
     }
+    for (name, v) in [
+        ("slot_size", knobs.slot_size),
+        ("serial_blocks", knobs.serial_blocks),
+    ] {
+        if let Some(v) = v.filter(|v| !(1..=MAX_TOKENS).contains(v)) {
+            return Err(ApiError::bad_request(format!(
+                "{name} must be between 1 and {MAX_TOKENS}, got {v}"
+            ))
+            .param(name));
+        }
+    }
     if let Some(v) = knobs.slot_size {
         p.slot_size = v;
     }
@@ -192,7 +204,7 @@ pub fn params_for(knobs: &Knobs, limits: &Limits) -> Result<DecodeParams, ApiErr
         Some(v) => p.serial_blocks = v,
         // Keep the server's block length when only max_tokens (or the slot size) changed.
         None if p.gen_length != limits.base.gen_length || p.slot_size != limits.base.slot_size => {
-            p.fit_serial_blocks(limits.base.padded_gen_length() / limits.base.serial_blocks.max(1))
+            p.fit_serial_blocks(limits.base.block_length())
         }
         None => {}
     }
@@ -542,5 +554,60 @@ mod tests {
         out.push_str(&f.push("y!"));
         out.push_str(&f.finish());
         assert_eq!(out, "abc xy!");
+    }
+
+    #[test]
+    fn any_request_number_gives_parameters_or_a_400_naming_the_field() {
+        use super::{params_for, Knobs, Limits};
+        use crate::decode::DecodeParams;
+        let limits = Limits {
+            base: DecodeParams::new(Default::default(), 1, 2),
+            max_gen_length: 2048,
+            parallel: 4,
+        };
+        let edges = [
+            0,
+            1,
+            2,
+            3,
+            4,
+            7,
+            64,
+            2048,
+            2049,
+            1 << 20,
+            (1 << 20) + 1,
+            u32::MAX,
+        ];
+        for &a in &edges {
+            for &b in &edges {
+                for &c in &edges {
+                    let knobs = Knobs {
+                        max_tokens: Some(a),
+                        slot_size: Some(b),
+                        serial_blocks: Some(c),
+                        seed: Some(u64::MAX),
+                        ..Default::default()
+                    };
+                    match params_for(&knobs, &limits) {
+                        Ok(p) => assert!(p.padded_gen_length() <= 2 << 20),
+                        Err(e) => {
+                            let text = format!("{e:?}");
+                            assert!(
+                                ["max_tokens", "slot_size", "serial_blocks", "gen length"]
+                                    .iter()
+                                    .any(|n| text.contains(n)),
+                                "{text}"
+                            );
+                        }
+                    }
+                    let knobs = Knobs {
+                        slot_size: Some(b),
+                        ..Default::default()
+                    };
+                    let _ = params_for(&knobs, &limits);
+                }
+            }
+        }
     }
 }

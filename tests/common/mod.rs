@@ -11,6 +11,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use refusion::convert::gguf::{GgufFile, GgufWriter, TensorSpec, Value};
 use refusion::convert::hf::config::Qwen3Config;
 use refusion::convert::names;
 use safetensors::tensor::{Dtype, TensorView};
@@ -424,4 +425,26 @@ pub fn build_refusion_vocab_checkpoint(dir: &Path, layout: TokLayout) {
     cfg["eos_token_id"] = 151645.into();
     cfg["mask_token_id"] = 151670.into();
     fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+}
+
+/// Rewrites a GGUF with metadata edited (tensors unchanged).
+pub fn with_metadata(src: &Path, dst: &Path, edit: impl Fn(&mut Vec<(String, Value)>)) {
+    let f = GgufFile::open(src).unwrap();
+    let mut meta = f.header.metadata.clone();
+    edit(&mut meta);
+    let specs: Vec<TensorSpec> = f
+        .header
+        .tensors
+        .iter()
+        .map(|t| TensorSpec {
+            name: t.name.clone(),
+            ne: t.ne.clone(),
+            ty: t.ty,
+        })
+        .collect();
+    let mut w = GgufWriter::new(std::fs::File::create(dst).unwrap(), &meta, &specs).unwrap();
+    for t in &f.header.tensors {
+        w.write_data(f.tensor_data(t)).unwrap();
+    }
+    w.finish().unwrap();
 }
