@@ -171,6 +171,8 @@ pub struct LoadOptions {
     pub ubatch: usize,
     /// Copy quantized CPU weights into memory instead of reading them from the map.
     pub no_mmap: bool,
+    /// Check every tensor's data before anything else (`--check-tensors`).
+    pub check_tensors: bool,
     pub verbose: bool,
 }
 
@@ -247,6 +249,21 @@ fn mib(b: u64) -> String {
     refusion_convert::info::human_bytes(b)
 }
 
+/// The tensors' types and how many of each ("q4_K 197, q6_K 29, f32 113"), so that what was
+/// accepted is said (`refusion info` lists each tensor's).
+fn type_census(file: &GgufFile) -> String {
+    let mut counts = std::collections::BTreeMap::<&str, usize>::new();
+    for t in &file.header.tensors {
+        *counts.entry(t.ty.name()).or_default() += 1;
+    }
+    let mut v: Vec<(&str, usize)> = counts.into_iter().collect();
+    v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    v.iter()
+        .map(|(n, c)| format!("{n} {c}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Resident memory of this process in bytes (Linux), for reports.
 pub fn resident_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -263,6 +280,16 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
         claim(kv, CacheFile::Live, Some(&opts.path))?;
     }
     let file = Arc::new(GgufFile::open(&opts.path)?);
+    if opts.check_tensors {
+        file.check_tensors()?;
+    }
+    if file.header.version != 3 && opts.verbose {
+        eprintln!(
+            "note: {} is GGUF version {} (read as version 3, whose layout it shares)",
+            opts.path.display(),
+            file.header.version
+        );
+    }
     let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
     // The tokenizer (a vocabulary and merge table to build) loads beside the weights; its
     // errors still come first.
@@ -345,11 +372,12 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
     let load_seconds = start.elapsed().as_secs_f64();
     if opts.verbose {
         eprintln!(
-            "loaded {} ({} layers, hidden {}, vocab {}) on {:?} in {:.2} s (kernels: {})",
+            "loaded {} ({} layers, hidden {}, vocab {}; tensors {}) on {:?} in {:.2} s (kernels: {})",
             Path::new(&opts.path).display(),
             cfg.n_layers,
             cfg.hidden,
             cfg.vocab,
+            type_census(&file),
             device.location(),
             load_seconds,
             crate::model::kquants::path_name(),

@@ -285,8 +285,8 @@ fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(health(&server), 200);
     drop(flood);
-    // Requests in flight (bodies still coming) are never evicted: beyond them, 503.
-    let mut busy: Vec<TcpStream> = (0..3)
+    // Requests whose body stalls after complete headers make room as well, oldest first.
+    let mut stalled: Vec<TcpStream> = (0..3)
         .map(|_| {
             let mut s = connect(&server);
             s.write_all(
@@ -294,28 +294,50 @@ fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
                     .as_bytes(),
             )
             .unwrap();
+            std::thread::sleep(Duration::from_millis(50));
             s
         })
         .collect();
     std::thread::sleep(Duration::from_millis(300));
-    for _ in 0..50 {
-        let (status, head, body) = request(&server, "GET", "/health", &[], "");
+    for _ in 0..20 {
+        assert_eq!(health(&server), 200);
+    }
+    closed_within(&mut stalled[0], Duration::from_secs(10))
+        .expect("the oldest stalled body kept its place");
+    drop(stalled);
+    // Requests being answered are never evicted: with every place answering one (streams to
+    // clients that do not read, held until the idle timeout), others get 503, but /health is
+    // still answered.
+    let answering: Vec<TcpStream> = (0..3)
+        .map(|_| {
+            let mut s = connect_small_window(&server);
+            post_chat(&mut s, UNREAD);
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    for _ in 0..20 {
+        let (status, head, body) = request(&server, "GET", "/v1/models", &[], "");
         assert_eq!(status, 503, "{head}\n{body}");
         assert!(
             error_message(&body).contains("too many open connections"),
             "{body}"
         );
+        assert_eq!(health(&server), 200, "/health over the cap");
     }
-    busy.pop();
+    drop(answering);
     let t = Instant::now();
-    while health(&server) != 200 {
+    while request(&server, "GET", "/v1/models", &[], "").0 != 200 {
         assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "health never recovered"
+            t.elapsed() < Duration::from_secs(20),
+            "the server never recovered"
         );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// A long streamed answer (under the default 2048 context and max_tokens).
+const UNREAD: &str = r#"{"messages":[{"role":"user","content":"hello"}],"max_tokens":1800,"stream":true,"slot_size":4,"serial_blocks":450}"#;
 
 #[test]
 fn every_error_answer_is_an_error_object() {
@@ -579,4 +601,106 @@ fn a_second_signal_exits_at_once() {
     server
         .wait_log("second SIGINT: exiting now", Duration::from_secs(5))
         .expect("no exit message");
+}
+
+/// A request head of exactly 64 KiB is read; one byte more gets 431 (hyper alone let about
+/// 114 KB through).
+#[test]
+fn the_header_limit_is_64_kib_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = Server::start(&fast_model(tmp.path()), &[]);
+    let head = |total: usize| {
+        let base = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Pad: ";
+        let pad = "a".repeat(total - base.len() - 4);
+        let mut s = connect(&server);
+        s.write_all(format!("{base}{pad}\r\n\r\n").as_bytes())
+            .unwrap();
+        read_response(&mut s).0
+    };
+    assert_eq!(head(1000), 200);
+    assert_eq!(head(65_536), 200);
+    assert_eq!(head(65_537), 431);
+    assert_eq!(head(114_000), 431);
+}
+
+/// One JSON value per request: anything after it is a 400.
+#[test]
+fn json_followed_by_more_data_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = Server::start(&fast_model(tmp.path()), &[]);
+    let one = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#;
+    let (status, _, _) = request(&server, "POST", CHAT, &[], one);
+    assert_eq!(status, 200);
+    for tail in [r#"{"a":1}"#, "xx", " 5"] {
+        let (status, _, body) = request(&server, "POST", CHAT, &[], &format!("{one}{tail}"));
+        assert_eq!(status, 400, "{body}");
+        assert!(error_message(&body).contains("trailing data"), "{body}");
+    }
+    let (status, _, body) = request(&server, "POST", "/tokenize", &[], r#"{"content":"a"}{}"#);
+    assert_eq!(status, 400, "{body}");
+}
+
+/// At the deadline with only a /tokenize answer in flight (a long text still being tokenized),
+/// the server closes it and stops without claiming that a generation did not stop.
+#[test]
+fn a_tokenize_answer_at_the_deadline_is_not_called_a_generation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut server = Server::start(
+        &fast_model(tmp.path()),
+        &["--shutdown-timeout", "1", "--max-body-bytes", "4000000"],
+    );
+    let mut s = connect(&server);
+    let body = format!(
+        r#"{{"content":"{}","with_pieces":true}}"#,
+        "hello world ".repeat(200_000)
+    );
+    let msg = format!(
+        "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(msg.as_bytes()).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    server.signal("-TERM");
+    let t = Instant::now();
+    let status = server
+        .wait_exit(Duration::from_secs(20))
+        .expect("the server did not stop");
+    assert!(status.success(), "{status:?}");
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    let log = server.log_lines().join("\n");
+    assert!(!log.contains("did not stop"), "{log}");
+    assert!(log.contains("refusion serve: stopped"), "{log}");
+    drop(s);
+}
+
+/// The same signal twice exits at once with 130, as two different ones do.
+#[test]
+fn the_same_signal_twice_exits_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fast_model(tmp.path());
+    for sig in ["-TERM", "-INT"] {
+        let mut server = Server::start(
+            &model,
+            &[
+                "-c",
+                "8192",
+                "--max-gen-length",
+                "4000",
+                "--idle-timeout",
+                "120",
+                "--shutdown-timeout",
+                "120",
+            ],
+        );
+        let _stalled = stalled_reader(&server);
+        server.signal(sig);
+        server
+            .wait_log("shutting down", Duration::from_secs(10))
+            .expect("no shutdown message");
+        server.signal(sig);
+        let status = server
+            .wait_exit(Duration::from_secs(5))
+            .expect("the second signal did not exit");
+        assert_eq!(status.code(), Some(130), "{sig}: {status:?}");
+    }
 }

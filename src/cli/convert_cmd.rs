@@ -114,6 +114,10 @@ pub struct QuantizeArgs {
 pub struct InfoArgs {
     /// GGUF file.
     file: PathBuf,
+    /// Read every tensor and check its data: float values and quantized blocks' scales must be
+    /// finite (llama.cpp's --check-tensors).
+    #[arg(long)]
+    check_tensors: bool,
 }
 
 fn report(path: &std::path::Path, s: &Summary, verbosity: Verbosity) {
@@ -237,6 +241,15 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
 
 pub fn info(a: InfoArgs) -> Result<()> {
     let file = GgufFile::open(&a.file)?;
+    if a.check_tensors {
+        file.check_tensors()?;
+    }
     print!("{}", describe(&file));
+    if a.check_tensors {
+        println!(
+            "\nchecked:    all {} tensors hold finite values and block scales",
+            file.header.tensors.len()
+        );
+    }
     Ok(())
 }

@@ -46,6 +46,7 @@ enum Command {
 /// Runs the command line and returns the process exit code.
 pub fn main() -> i32 {
     let cli = Cli::parse_from(std::env::args_os().map(llama_cpp_flag));
+    quiet_on_closed_stdout(&cli.command);
     let result = match cli.command {
         Command::Convert(args) => convert_cmd::convert(args),
         Command::Quantize(args) => convert_cmd::quantize(args),
@@ -70,6 +71,24 @@ pub fn main() -> i32 {
             1
         }
     }
+}
+
+/// `refusion generate ... | head -1`: once the reader has gone, the next write to stdout ends
+/// the process quietly (SIGPIPE's default action, exit status 141 in a shell), as `cat` and
+/// llama.cpp's tools do. Rust ignores SIGPIPE, which turns that write into an error, and
+/// `println!` into a panic. Output files are written atomically, so being stopped this way
+/// leaves at most a `.partial` beside an untouched target. The server keeps ignoring it: a
+/// client that hangs up is an error to handle there, never a reason to exit.
+fn quiet_on_closed_stdout(command: &Command) {
+    #[cfg(unix)]
+    if !matches!(command, Command::Serve(_)) {
+        // SAFETY: restoring a signal's default action, before any thread is started.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = command;
 }
 
 /// llama.cpp's multi-letter short flags, which clap cannot declare, as their long forms.

@@ -51,6 +51,10 @@ pub struct ModelArgs {
     /// way.
     #[arg(long)]
     pub no_mmap: bool,
+    /// Read every tensor before running and refuse the file if any float value or quantized
+    /// block scale is NaN or infinite (llama.cpp's --check-tensors; reads the whole file).
+    #[arg(long)]
+    pub check_tensors: bool,
     /// No notes on stderr (the memory plan, the load line); errors still print (llama.cpp's
     /// --log-disable).
     #[arg(long)]
@@ -164,6 +168,7 @@ impl ModelArgs {
             gpu_layers: self.gpu_layers,
             ubatch: self.ubatch,
             no_mmap: self.no_mmap,
+            check_tensors: self.check_tensors,
             verbose: verbose && !self.log_disable,
         })
     }

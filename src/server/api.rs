@@ -194,6 +194,22 @@ pub fn parse_with_knobs<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T
 
 fn parse_inner<T: serde::de::DeserializeOwned>(body: &[u8], knobs: bool) -> Result<T, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
+    let value = deserialize_inner(de, body, knobs)?;
+    // One JSON value and nothing after it but whitespace: `{...}{...}` or `{...}xx` is not a
+    // request to guess at.
+    de.end().map_err(|e| {
+        ApiError::bad_request(format!(
+            "malformed JSON: trailing data after the request object ({e})"
+        ))
+    })?;
+    Ok(value)
+}
+
+fn deserialize_inner<T: serde::de::DeserializeOwned>(
+    de: &mut serde_json::Deserializer<serde_json::de::SliceRead<'_>>,
+    body: &[u8],
+    knobs: bool,
+) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(de).map_err(|e| {
         let (mut path, mut inner) = (e.path().to_string(), e.into_inner());
         if knobs && path == "." && !(inner.is_syntax() || inner.is_eof()) {
@@ -257,5 +273,26 @@ fn plain(path: &str, msg: &str) -> String {
         }
     } else {
         format!("is invalid ({msg})")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_with_data_after_its_object_is_refused() {
+        let ok = br#"{"messages":[{"role":"user","content":"hi"}]} "#;
+        assert!(parse_with_knobs::<ChatRequest>(ok).is_ok());
+        for bad in [
+            &br#"{"messages":[{"role":"user","content":"hi"}]}{"a":1}"#[..],
+            br#"{"messages":[{"role":"user","content":"hi"}]}xx"#,
+            br#"{"messages":[{"role":"user","content":"hi"}]} 1"#,
+        ] {
+            let e = parse_with_knobs::<ChatRequest>(bad).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert!(format!("{e:?}").contains("trailing data"), "{e:?}");
+        }
+        assert!(parse::<Knobs>(b"{}{}").is_err());
     }
 }

@@ -752,11 +752,16 @@ async fn first_signal(mut signals: Signals, shutdown: Arc<Shutdown>, grace: std:
         if busy { "cancelling the generation in progress" } else { "no generation in progress" },
         grace.as_secs_f64()
     );
+    // The second signal is handled where it is delivered (`signals::Signals::new`); on other
+    // systems, here.
+    #[cfg(not(unix))]
     tokio::spawn(async move {
         let name = signals.next().await;
         eprintln!("refusion serve: second {name}: exiting now");
         std::process::exit(130);
     });
+    #[cfg(unix)]
+    drop(signals);
 }
 
 /// One log line per request (`tracing`, on stderr): method, path, status and the time to the

@@ -2,7 +2,7 @@
 //! `--parallel` requests together (continuous batching) and shares their prompts' entries.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 
 use axum::http::StatusCode;
@@ -267,9 +267,16 @@ pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutd
                 break;
             }
             let job = if sched.is_idle() {
-                match jobs.recv() {
+                // Idle: wait for a job, but end at shutdown even while some other answer (a
+                // /tokenize, say) still holds the queue's sender open.
+                match jobs.recv_timeout(std::time::Duration::from_millis(50)) {
                     Ok(j) => j,
-                    Err(_) => {
+                    Err(RecvTimeoutError::Timeout) if shutdown.requested() => {
+                        open = false;
+                        break;
+                    }
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => {
                         open = false;
                         break;
                     }

@@ -4,6 +4,7 @@
 //! streams tensor data that is quantized while it is written, and keeps metadata in a fixed,
 //! documented order so that the same checkpoint always converts to the same bytes.
 
+pub mod check;
 mod read;
 mod types;
 mod value;

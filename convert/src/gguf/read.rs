@@ -263,6 +263,27 @@ impl GgufFile {
         })
     }
 
+    /// `--check-tensors`: every tensor's data (float values, quantized blocks' scales) must be
+    /// finite. Reads the whole file, the tensors in parallel; the first bad one in file order
+    /// is named ("blk.3.ffn_up.weight holds NaN").
+    pub fn check_tensors(&self) -> Result<()> {
+        use rayon::prelude::*;
+        let bad = self
+            .header
+            .tensors
+            .par_iter()
+            .map(|t| {
+                let r = super::check::check_data(t.ty, self.tensor_data(t));
+                self.release(t, 0, t.n_bytes);
+                r.err().map(|e| format!("{} {e}", t.name))
+            })
+            .collect::<Vec<_>>();
+        match bad.into_iter().flatten().next() {
+            Some(msg) => Err(Error::bad(&self.path, msg)),
+            None => Ok(()),
+        }
+    }
+
     /// The raw bytes of a tensor (bounds were checked when the header was parsed).
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
         let start = (self.header.data_offset + t.offset) as usize;

@@ -34,12 +34,29 @@ impl AsyncRead for WatchedIo {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.tracker.on_read();
+        // A request's head is given to hyper only up to its cap (see `MAX_HEAD_BYTES`).
+        let room = self.tracker.head_room().filter(|&r| r > 0);
+        let n = match room {
+            Some(r) if r < buf.remaining() => {
+                let mut part = buf.take(r);
+                std::task::ready!(Pin::new(&mut self.inner).poll_read(cx, &mut part))?;
+                let n = part.filled().len();
+                // SAFETY: `part` is the start of `buf`'s unfilled space; its first `n` bytes
+                // were just filled.
+                unsafe { buf.assume_init(n) };
+                buf.advance(n);
+                n
+            }
+            _ => {
+                let before = buf.filled().len();
+                std::task::ready!(Pin::new(&mut self.inner).poll_read(cx, buf))?;
+                buf.filled().len() - before
+            }
+        };
+        if n > 0 {
+            self.tracker.on_read(n);
         }
-        r
+        Poll::Ready(Ok(()))
     }
 }
 

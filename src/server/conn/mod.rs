@@ -16,8 +16,10 @@
 //!   Bytes of a pipelined next request that arrive meanwhile are timed only once it is idle.
 //!
 //! At the cap (`max_connections`) a new connection takes the place of the connection that has
-//! waited longest with nothing in flight; only when every connection has a request in flight is
-//! it answered 503. At shutdown, connections with nothing in flight or a body still coming are
+//! waited longest with nothing in flight or with a request whose body is still coming; only
+//! when every connection has a request being answered is it answered 503, except `GET /health`,
+//! which a few connections over the cap may still ask (monitoring keeps working while the
+//! server is saturated). At shutdown, connections with nothing in flight or a body still coming are
 //! closed at once; the others are told to close after their response, which must end by the
 //! drain deadline.
 
@@ -108,7 +110,7 @@ async fn serve_connection(
         .header_read_timeout(None)
         // Per connection at most 64 KiB of headers read and of answer queued (hyper's default
         // is ~400 KiB): many connections cannot pin much memory.
-        .max_buf_size(64 << 10)
+        .max_buf_size(tracker::MAX_HEAD_BYTES)
         .serve_connection(io, service);
     tokio::pin!(conn);
     let mut drain: Option<Instant> = None;
@@ -143,39 +145,86 @@ async fn serve_connection(
     }
 }
 
-/// Over the cap: a 503 in the API's error format, then a lingering close (the request is read
-/// and dropped for a moment, so the client reads the answer instead of a reset). Bounded in time
-/// and bytes.
-async fn refuse(mut stream: TcpStream, max: usize) {
-    let body = super::api::ApiError::new(
+/// The 503 body for a connection over the cap.
+fn busy_body(max: usize) -> String {
+    super::api::ApiError::new(
         axum::http::StatusCode::SERVICE_UNAVAILABLE,
         "server_busy",
         format!("too many open connections (the limit is {max}); retry later"),
     )
     .body()
-    .to_string();
+    .to_string()
+}
+
+/// Over the cap: a 503 in the API's error format, then a lingering close.
+async fn refuse(mut stream: TcpStream, max: usize) {
+    let body = busy_body(max);
     let msg = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
     let _ = timeout(Duration::from_secs(1), async {
         stream.write_all(msg.as_bytes()).await?;
-        stream.shutdown().await?;
-        let mut sink = [0u8; 16 << 10];
-        let mut left = 1usize << 20;
-        while left > 0 {
-            match stream.read(&mut sink).await? {
-                0 => break,
-                n => left = left.saturating_sub(n),
-            }
-        }
-        Ok::<_, std::io::Error>(())
+        linger(&mut stream).await
     })
     .await;
 }
 
-/// At the cap, picks the connection that has waited longest with nothing in flight (idle, or a
-/// request's headers still coming) and tells it to close and hand its place over; `None` when
+/// Shuts the write side and reads what the client still sends, for a moment and up to 1 MiB,
+/// so that it reads the answer instead of a reset.
+async fn linger(stream: &mut TcpStream) -> std::io::Result<()> {
+    stream.shutdown().await?;
+    let mut sink = [0u8; 16 << 10];
+    let mut left = 1usize << 20;
+    while left > 0 {
+        match stream.read(&mut sink).await? {
+            0 => break,
+            n => left = left.saturating_sub(n),
+        }
+    }
+    Ok(())
+}
+
+/// Connections over the cap answered at once (`GET /health` served, anything else 503).
+const OVERFLOW: usize = 8;
+
+/// Over the cap with every place answering a request: one request is read (2 s at most) and
+/// answered without keep-alive: `GET /health` by the app, anything else 503. At most
+/// [`OVERFLOW`] at a time; beyond, a plain 503.
+async fn overflow(stream: TcpStream, app: Router, max: usize, places: Arc<Semaphore>) {
+    let Ok(_place) = places.try_acquire_owned() else {
+        return refuse(stream, max).await;
+    };
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let app = app.clone();
+        async move {
+            if req.method() == axum::http::Method::GET && req.uri().path() == "/health" {
+                return app.oneshot(req.map(Body::new)).await;
+            }
+            Ok(axum::http::Response::builder()
+                .status(axum::http::StatusCode::SERVICE_UNAVAILABLE)
+                .header("content-type", "application/json")
+                .header("retry-after", "1")
+                .body(Body::from(busy_body(max)))
+                .unwrap_or_default())
+        }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .keep_alive(false)
+        .max_buf_size(16 << 10)
+        .serve_connection(TokioIo::new(stream), service)
+        .without_shutdown();
+    let _ = timeout(Duration::from_secs(2), async {
+        if let Ok(parts) = conn.await {
+            let mut stream = parts.io.into_inner();
+            let _ = linger(&mut stream).await;
+        }
+    })
+    .await;
+}
+
+/// At the cap, picks the connection that has waited longest with nothing being answered (idle,
+/// a request's headers or body still coming) and tells it to close and hand its place over; `None` when
 /// every one is busy. So silent connections cannot lock out real clients: only requests in
 /// flight fill the cap.
 fn evict_idlest(live: &mut Vec<Arc<Tracker>>) -> Option<oneshot::Receiver<OwnedSemaphorePermit>> {
@@ -202,6 +251,7 @@ pub async fn run(
 ) -> (Instant, usize) {
     let max = limits.max_connections.max(1);
     let slots = Arc::new(Semaphore::new(max));
+    let spare = Arc::new(Semaphore::new(OVERFLOW));
     let (shutdown_tx, shutdown_rx) = watch::channel(None);
     let mut conns = JoinSet::new();
     let mut live: Vec<Arc<Tracker>> = Vec::new();
@@ -224,7 +274,7 @@ pub async fn run(
             Err(_) => match evict_idlest(&mut live) {
                 Some(inherited) => Err(inherited),
                 None => {
-                    conns.spawn(refuse(stream, max));
+                    conns.spawn(overflow(stream, app.clone(), max, spare.clone()));
                     continue;
                 }
             },

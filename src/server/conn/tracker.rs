@@ -10,6 +10,12 @@ use tokio::time::Instant;
 
 use super::ConnLimits;
 
+/// The most bytes a request's head (request line and headers) may have: hyper's read buffer
+/// is capped at this, and reads are cut so that it is never overshot (hyper alone checks the
+/// cap only after a read, which let about 114 KB through), so a longer head gets 431 exactly
+/// beyond this many bytes.
+pub const MAX_HEAD_BYTES: usize = 64 << 10;
+
 struct State {
     /// Requests handed to the service whose response body hyper has not dropped yet.
     in_flight: usize,
@@ -23,6 +29,9 @@ struct State {
     since: Instant,
     /// Bumped on every change, so a deadline computed before one is never applied after it.
     epoch: u64,
+    /// With nothing in flight: bytes of the next request read so far (its head, as far as
+    /// hyper has been given it).
+    head_bytes: usize,
 }
 
 /// Shared by a connection's socket wrapper, its service, the body reader and its watchdog.
@@ -61,6 +70,7 @@ impl Tracker {
                 blocked: None,
                 since: Instant::now(),
                 epoch: 0,
+                head_bytes: 0,
             }),
             changed: Notify::new(),
             evicted: AtomicBool::new(false),
@@ -84,9 +94,13 @@ impl Tracker {
         }
     }
 
-    /// Bytes arrived: with nothing in flight, a request has begun (its headers are timed).
-    pub fn on_read(&self) {
+    /// `n` bytes arrived: with nothing in flight, a request has begun (its headers are timed,
+    /// and counted against [`MAX_HEAD_BYTES`]).
+    pub fn on_read(&self, n: usize) {
         self.update(|s| {
+            if s.in_flight == 0 {
+                s.head_bytes = s.head_bytes.saturating_add(n);
+            }
             let begins = s.in_flight == 0 && !s.started;
             if begins {
                 s.started = true;
@@ -96,9 +110,17 @@ impl Tracker {
         });
     }
 
+    /// How many more bytes the head of the next request may have, while nothing is in flight
+    /// (`None` while a request is: its body is limited elsewhere).
+    pub fn head_room(&self) -> Option<usize> {
+        let s = self.lock();
+        (s.in_flight == 0).then(|| MAX_HEAD_BYTES.saturating_sub(s.head_bytes))
+    }
+
     /// hyper handed a request (its headers complete) to the service.
     pub fn request_started(&self) {
         self.update(|s| {
+            s.head_bytes = 0;
             s.in_flight += 1;
             s.started = false;
             s.receiving = true;
@@ -170,12 +192,16 @@ impl Tracker {
         self.admitted.store(true, Ordering::SeqCst);
     }
 
-    /// Since when it has had nothing in flight, if so, admitted and not already evicted.
+    /// Since when it has had nothing in flight, or a request whose body is still coming, if
+    /// so, admitted and not already evicted. Both lose nothing by closing (no answer is under
+    /// way), so a client that stalls after its headers cannot hold a place any more than one
+    /// that stalls in them.
     pub fn evictable_since(&self) -> Option<Instant> {
         let s = self.lock();
         let candidate =
             self.admitted.load(Ordering::SeqCst) && !self.evicted.load(Ordering::SeqCst);
-        (candidate && s.in_flight == 0).then_some(s.since)
+        let waiting = s.in_flight == 0 || (s.in_flight == 1 && s.receiving);
+        (candidate && waiting).then_some(s.since)
     }
 
     /// Asks the connection to close as soon as nothing is in flight and hand its place to
@@ -239,23 +265,32 @@ mod tests {
         t.admit();
         assert!(t.evictable_since().is_some());
         tokio::time::advance(Duration::from_millis(500)).await;
-        t.on_read();
+        t.on_read(10);
         let w2 = t.watch(&l);
         assert!(w2.epoch > w.epoch);
         assert_eq!(
             w2.deadline,
             Some(start + Duration::from_millis(500) + l.headers)
         );
-        t.on_read(); // more header bytes do not restart the clock
+        t.on_read(10); // more header bytes do not restart the clock
+        assert_eq!(t.head_room(), Some(MAX_HEAD_BYTES - 20));
         assert_eq!(t.watch(&l).epoch, w2.epoch);
         t.request_started();
         let w = t.watch(&l);
         assert_eq!(w.deadline, None);
         assert!(w.closable, "a body still coming may be cut at shutdown");
-        assert!(t.evictable_since().is_none());
+        assert!(
+            t.evictable_since().is_some(),
+            "a body still coming may be evicted"
+        );
         t.body_received();
+        assert!(
+            t.evictable_since().is_none(),
+            "a request being answered is not evicted"
+        );
         assert!(!t.watch(&l).closable);
-        t.on_read(); // bytes of a pipelined request while one is in flight
+        t.on_read(5); // bytes of a pipelined request while one is in flight
+        assert_eq!(t.head_room(), None);
         t.on_write_blocked();
         let blocked_at = Instant::now();
         tokio::time::advance(Duration::from_secs(1)).await;
