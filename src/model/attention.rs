@@ -301,7 +301,7 @@ pub fn attend(
     let out_ptr = SharedOut(out.as_mut_ptr());
     // Run on candle's worker pool (the threads that just ran the matmuls): a second pool would
     // oversubscribe the cores while candle's workers spin between operations.
-    candle_core::utils::barrier_pool().execute_chunked(n_tasks, |tasks| {
+    crate::model::pool::WorkerPool::global().execute_chunked(n_tasks, |tasks| {
         for task in tasks {
             let (b, g) = (task / n_kv_heads, task % n_kv_heads);
             let toks = blocks[b].clone();

@@ -41,7 +41,7 @@ fn for_rows(n_rows: usize, row_len: usize, f: impl Fn(Range<usize>) + Sync) {
     if n_rows * row_len < PARALLEL_VALUES || n_rows < 2 {
         f(0..n_rows);
     } else {
-        candle_core::utils::barrier_pool().execute_chunked(n_rows, f);
+        crate::model::pool::WorkerPool::global().execute_chunked(n_rows, f);
     }
 }
 

@@ -9,6 +9,7 @@ mod host;
 pub mod kquants;
 mod linear;
 mod mapped;
+pub mod pool;
 pub mod qwen3;
 
 pub use config::Qwen3Config;

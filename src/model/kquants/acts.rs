@@ -120,7 +120,7 @@ pub(super) fn quantize_rows(x: &[f32], k: usize, out: &mut Vec<Q8K>) {
         // SAFETY: each task writes only the blocks of its own range.
         unsafe impl Sync for Out {}
         let dst = Out(out.as_mut_ptr());
-        candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        crate::model::pool::WorkerPool::global().execute_chunked(n, |range| {
             let dst = &dst;
             for b in range {
                 // SAFETY: `b < n`, and no other task writes block `b`.

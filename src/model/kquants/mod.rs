@@ -15,7 +15,7 @@
 //!
 //! Activations are quantized once per product (shared by q/k/v and by gate/up) to 8-bit
 //! blocks of 256 ([`Q8K`], ggml's Q8_K), stored in an order that lines up with Q4_K's
-//! nibbles. Work is spread over candle's worker pool in runs of 16 rows.
+//! nibbles. Work is spread over our worker pool ([`crate::model::pool`]) in runs of 16 rows.
 //!
 //! Every path gives the same floats to the bit: integer sums are exact, and the float
 //! operations are the same fused multiply-adds in the same order.
@@ -404,7 +404,7 @@ fn matmul_on(path: CpuPath, ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mu
                 .iter_mut()
                 .map(|o| (o.as_mut_ptr() as usize, o.len()))
                 .collect();
-            candle_core::utils::barrier_pool().execute_chunked(units, |range| {
+            crate::model::pool::WorkerPool::global().execute_chunked(units, |range| {
                 for unit in range {
                     let j = starts.partition_point(|&s| s <= unit) - 1;
                     let w = ws[j];
