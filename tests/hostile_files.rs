@@ -457,3 +457,32 @@ fn check_tensors_names_the_tensor_that_holds_nan() {
         assert!(o.status.success(), "{}", stderr(&o));
     }
 }
+
+/// What was accepted is said: a GGUF v2 file loads with a note, and the load line lists the
+/// tensor types.
+#[test]
+fn a_gguf_v2_is_said_and_the_tensor_types_are_listed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, mut bytes) = real_file(tmp.path(), "q8_0");
+    bytes[4..8].copy_from_slice(&2u32.to_le_bytes());
+    let v2 = tmp.path().join("v2.gguf");
+    std::fs::write(&v2, &bytes).unwrap();
+    let o = run(&[
+        "generate",
+        "-m",
+        v2.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+        "-n",
+        "4",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("is GGUF version 2 (read as version 3"),
+        "{err}"
+    );
+    assert!(err.contains("tensors q8_0 15, f32 9)"), "{err}");
+    let o = run(&["info", v2.to_str().unwrap()]);
+    assert!(stdout(&o).contains("GGUF v2"), "{}", stdout(&o));
+}

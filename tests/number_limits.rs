@@ -322,3 +322,25 @@ fn minus_one_means_the_files_gen_length_and_a_random_seed() {
     let o = outcome(&generate_args(&m, &["-n", "-2"]));
     assert!(matches!(o, Outcome::Refused(l) if l.contains("-n must be -1")));
 }
+
+/// More threads than the CPUs this process may use is said; past llama.cpp's 512, refused.
+#[test]
+fn threads_beyond_the_cpus_are_warned_about_and_absurd_counts_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    let many = (cpus * 4).min(512).to_string();
+    let mut a = generate_args(&m, &["-n", "8", "-t", &many]);
+    let o = Command::new(bin()).args(&a).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&format!("-t {many} is more threads than the {cpus} CPUs")),
+        "{}",
+        stderr(&o)
+    );
+    a.pop();
+    a.push("100000".into());
+    assert!(
+        matches!(outcome(&a), Outcome::Refused(l) if l.contains("invalid thread count '100000'"))
+    );
+}

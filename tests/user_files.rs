@@ -232,3 +232,48 @@ fn a_fifo_or_a_device_is_refused_at_once_wherever_a_file_is_read() {
     }
     assert!(!out.exists());
 }
+
+/// `refusion ... | head -c 1`: once the reader has gone, the command ends quietly (SIGPIPE, as
+/// `cat` does, or 0), never with a panic.
+#[test]
+fn a_closed_stdout_ends_every_command_quietly() {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    let m = m.to_str().unwrap();
+    for args in [
+        vec![
+            "generate",
+            "-m",
+            m,
+            "--prompt-ids",
+            "1,2,3",
+            "-n",
+            "256",
+            "--serial-blocks",
+            "64",
+        ],
+        vec!["bench", "-m", m, "-p", "1,2,3,4,5,6,7,8", "-r", "2"],
+        vec!["info", m],
+    ] {
+        let mut child = Command::new(bin())
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut first = [0u8; 1];
+        child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+        // The pipe's read end is closed here.
+        let o = child.wait_with_output().unwrap();
+        let err = stderr(&o);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        let quiet = o.status.success() || o.status.signal() == Some(libc_sigpipe());
+        assert!(quiet, "{args:?}: {:?}\n{err}", o.status);
+    }
+}
+
+fn libc_sigpipe() -> i32 {
+    13
+}
