@@ -185,7 +185,7 @@ pub fn decoding_values(data: &[u8]) {
     };
     let mut p = DecodeParams::new(d, 1, 2);
     let flags = [word(), word(), word()];
-    let block = p.block_length();
+    let block = p.block_len();
     if flags[0] % 2 == 1 {
         p.gen_length = (flags[0] >> 1) as u32;
         p.fit_serial_blocks(block);
@@ -196,7 +196,7 @@ pub fn decoding_values(data: &[u8]) {
     if flags[2] % 2 == 1 {
         p.serial_blocks = (flags[2] >> 1) as u32;
     }
-    let _ = (p.padded_gen_length(), p.block_length(), p.dropped_tail());
+    let _ = (p.padded_gen_length(), p.block_len(), p.dropped_tail());
     let limits = Limits {
         base: p.clone(),
         max_gen_length: (word() as u32).clamp(1, MAX_TOKENS),
@@ -212,7 +212,7 @@ pub fn decoding_values(data: &[u8]) {
     let prompt = [3u32, 4, 5];
     if crate::decode::check(&prompt, &p, 16, 4 * MAX_TOKENS as usize).is_ok() {
         assert!(p.padded_gen_length() <= 2 * MAX_TOKENS);
-        let mut decoder = crate::decode::Decoder::new(&prompt, 0, &p);
+        let mut decoder = crate::decode::start(&prompt, 0, &p);
         let _ = decoder.poll(&mut |_| {});
     }
 }

@@ -159,7 +159,10 @@ impl<'m, M: Forward + ?Sized> Session<'m, M> {
             }
             tokens.push(t);
         }
-        let end = self.keep_positions(tokens.len());
+        // Only what the cache holds: left-to-right decoding never feeds its last token.
+        let end = self
+            .keep_positions(tokens.len())
+            .min(self.cache.shared_len());
         tokens.truncate(end);
         self.cached = tokens;
         Ok(r)

@@ -23,7 +23,7 @@ fn params() -> DecodeParams {
         seed: 0,
         eos_id: 511,
         mask_id: 510,
-        reference_eos_bug: false,
+        ..DecodeParams::new(Default::default(), 511, 510)
     }
 }
 

@@ -19,14 +19,6 @@ fn load_forward_json() -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 /// Builds the batch of a forward.json call: every row's tokens, row ids 0.., flat.
 fn batch_of(call: &Value) -> Batch {
     let mut b = Batch::default();
@@ -37,10 +29,10 @@ fn batch_of(call: &Value) -> Batch {
         .zip(call["positions"].as_array().unwrap())
         .enumerate()
     {
-        let toks = ids(toks);
+        let toks = golden_ids(toks);
         b.rows.extend(std::iter::repeat_n(r as u32, toks.len()));
         b.tokens.extend(toks);
-        b.positions.extend(ids(pos));
+        b.positions.extend(golden_ids(pos));
     }
     b.logits_for = LogitsFor::All;
     b

@@ -8,33 +8,10 @@ use std::sync::Arc;
 use candle_core::Device;
 use common::*;
 use refusion::convert::gguf::GgufFile;
-use refusion::decode::{generate, DecodeParams};
+use refusion::decode::generate;
 use refusion::kv::CacheType;
 use refusion::model::{Offload, Qwen3};
 use serde_json::Value;
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn params(case: &Value) -> DecodeParams {
-    DecodeParams {
-        gen_length: case["gen_length"].as_u64().unwrap() as u32,
-        slot_size: case["slot_size"].as_u64().unwrap() as u32,
-        serial_blocks: case["serial_num_blocks"].as_u64().unwrap() as u32,
-        slot_threshold: case["slot_threshold"].as_f64().unwrap() as f32,
-        token_threshold: case["token_threshold"].as_f64().unwrap() as f32,
-        temperature: case["temperature"].as_f64().unwrap(),
-        seed: 0,
-        eos_id: case["eos_id"].as_u64().unwrap() as u32,
-        mask_id: case["mask_id"].as_u64().unwrap() as u32,
-        reference_eos_bug: false,
-    }
-}
 
 /// The device that stands in for a GPU in the offload tests: candle's CPU device (the same
 /// tensor code path), or the GPU when `REFUSION_TEST_DEVICE=cuda` (scripts/gpu-check.sh).
@@ -151,12 +128,12 @@ fn check_every_case(set: &Goldens, offload: Option<Offload>, ubatch: Option<usiz
     for case in cases {
         let id = case["id"].as_str().unwrap();
         let model = &models[case["model"].as_str().unwrap()];
-        let prompt = ids(&case["prompt_ids"]);
-        let p = params(case);
+        let prompt = golden_ids(&case["prompt_ids"]);
+        let p = golden_params(case);
         let capacity = prompt.len() + 2 * p.padded_gen_length() as usize + 8;
         let mut cache = model.new_cache(capacity, CacheType::F32, None).unwrap();
         let r = generate(model, &mut cache, &prompt, &p, &mut |_| {}).unwrap();
-        let want = ids(&case["tokens"]);
+        let want = golden_ids(&case["tokens"]);
         let want_tpf = case["tpf"].as_f64().unwrap();
         if r.tokens != want || (r.tpf - want_tpf).abs() > 1e-6 {
             failures.push(format!(
@@ -176,7 +153,7 @@ fn check_every_case(set: &Goldens, offload: Option<Offload>, ubatch: Option<usiz
             p.reference_eos_bug = true;
             let mut cache = model.new_cache(capacity, CacheType::F32, None).unwrap();
             let r = generate(model, &mut cache, &prompt, &p, &mut |_| {}).unwrap();
-            assert_eq!(r.tokens, ids(bug), "{id}: seed bug tokens");
+            assert_eq!(r.tokens, golden_ids(bug), "{id}: seed bug tokens");
         }
     }
     assert!(

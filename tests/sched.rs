@@ -19,29 +19,6 @@ use refusion::model::{Offload, Qwen3};
 use refusion::sched::{Request, Scheduler, Update};
 use serde_json::Value;
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn params(case: &Value) -> DecodeParams {
-    DecodeParams {
-        gen_length: case["gen_length"].as_u64().unwrap() as u32,
-        slot_size: case["slot_size"].as_u64().unwrap() as u32,
-        serial_blocks: case["serial_num_blocks"].as_u64().unwrap() as u32,
-        slot_threshold: case["slot_threshold"].as_f64().unwrap() as f32,
-        token_threshold: case["token_threshold"].as_f64().unwrap() as f32,
-        temperature: case["temperature"].as_f64().unwrap(),
-        seed: 0,
-        eos_id: case["eos_id"].as_u64().unwrap() as u32,
-        mask_id: case["mask_id"].as_u64().unwrap() as u32,
-        reference_eos_bug: false,
-    }
-}
-
 fn load(dir: &std::path::Path, out: &std::path::Path, outtype: &str) -> Qwen3 {
     load_on(dir, out, outtype, None)
 }
@@ -127,7 +104,7 @@ fn check_goldens_scheduled(offload: Option<Offload>, models: &[&str], limits: &[
         let need = mine
             .iter()
             .map(|c| {
-                let p = params(c);
+                let p = golden_params(c);
                 let gen = p.padded_gen_length() as usize;
                 c["prompt_ids"].as_array().unwrap().len() + gen + gen / p.serial_blocks as usize
             })
@@ -145,8 +122,8 @@ fn check_goldens_scheduled(offload: Option<Offload>, models: &[&str], limits: &[
                 let c = mine[i];
                 s.submit(request(
                     i,
-                    ids(&c["prompt_ids"]),
-                    params(c),
+                    golden_ids(&c["prompt_ids"]),
+                    golden_params(c),
                     &results,
                     Arc::new(AtomicBool::new(false)),
                 ));
@@ -162,7 +139,7 @@ fn check_goldens_scheduled(offload: Option<Offload>, models: &[&str], limits: &[
             for (i, c) in mine.iter().enumerate() {
                 let id = c["id"].as_str().unwrap();
                 let r = results.borrow_mut().remove(&i).expect("answered").unwrap();
-                let (want, tpf) = (ids(&c["tokens"]), c["tpf"].as_f64().unwrap());
+                let (want, tpf) = (golden_ids(&c["tokens"]), c["tpf"].as_f64().unwrap());
                 let calls = c["n_forward"].as_u64().unwrap();
                 if r.tokens != want || (r.tpf - tpf).abs() > 1e-6 || r.forward_calls as u64 != calls
                 {
@@ -396,7 +373,7 @@ fn golden_cases_through_the_server_at_once_with_token_id_prompts() {
                         "temperature": 0,
                     });
                     let r = post(&base, "/v1/completions", &body);
-                    let tokens = ids(&c["tokens"]);
+                    let tokens = golden_ids(&c["tokens"]);
                     let eos = c["eos_id"].as_u64().unwrap() as u32;
                     let end = tokens
                         .iter()

@@ -85,7 +85,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         .and_then(Value::as_str)
         .context("the model file has no chat template, which chat needs")?;
     let template = ChatTemplate::new(source)?;
-    let block = params.padded_gen_length() as usize / params.serial_blocks as usize;
+    let block = params.strategy.scratch(&params);
     let cache = loaded.new_cache(loaded.context + block)?;
     let model_hash = loaded.file.layout_hash();
     let mut session = Session::new(&loaded.model, &loaded.tokenizer, Some(template), cache);

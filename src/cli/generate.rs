@@ -93,6 +93,10 @@ pub struct DecodeArgs {
     /// Temperature of the planning drafts (0: greedy).
     #[arg(long = "temp", default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f64,
+    /// How to decode: `slots` (ReFusion's slot decoding) or `ar` (plain left-to-right, one
+    /// token per forward, to compare with on the same file).
+    #[arg(long, value_name = "slots|ar", value_parser = parse_strategy)]
+    strategy: Option<crate::decode::Kind>,
     /// Seed of the sampling noise (-1: a random one, printed).
     #[arg(short = 's', long, default_value_t = 0, allow_negative_numbers = true)]
     seed: i128,
@@ -199,13 +203,14 @@ impl DecodeArgs {
         p.serial_blocks = self.serial_blocks.unwrap_or(d.serial_blocks);
         if self.serial_blocks.is_none() && p.gen_length != d.gen_length {
             // Keep the default block length rather than the default block count.
-            let block = DecodeParams::new(d, eos, mask).block_length();
+            let block = DecodeParams::new(d, eos, mask).block_len();
             p.fit_serial_blocks(block);
         }
         p.slot_threshold = self.slot_threshold.unwrap_or(d.slot_threshold);
         p.token_threshold = self.token_threshold.unwrap_or(d.token_threshold);
         p.temperature = self.temperature;
         p.seed = self.seed();
+        p.strategy = self.strategy.unwrap_or_default();
         p.validate().map_err(|e| {
             // Name the file's keys behind the values the flags left alone.
             let from_file: Vec<String> = [
@@ -332,6 +337,10 @@ impl Canvas {
     }
 }
 
+fn parse_strategy(s: &str) -> std::result::Result<crate::decode::Kind, String> {
+    s.parse()
+}
+
 /// An f32 as the f64 with the same shortest decimal form (0.6, not 0.6000000238).
 fn as_f64(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(x as f64)
@@ -401,7 +410,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             loaded.context
         );
     }
-    let block = gen / params.serial_blocks as usize;
+    let block = params.strategy.scratch(&params);
     let cache = loaded.new_cache(loaded.context + block)?;
     let mut session = Session::new(&loaded.model, tok, None, cache);
     let model_hash = loaded.file.layout_hash();

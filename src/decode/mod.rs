@@ -6,19 +6,24 @@
 //! - the answer stops at the first EOS by position ([`DecodeResult::answer`]); the raw tokens,
 //!   as the reference returns them, are kept in [`DecodeResult::tokens`].
 //!
-//! The decoder sees the model only through [`Forward`] and the [`KvCache`] operations.
+//! The decoder sees the model only through [`Forward`] and the [`KvCache`] operations. Slot
+//! decoding is one [`Strategy`]; plain left-to-right decoding ([`Kind::Autoregressive`]) is
+//! another, for comparison on the same file.
 
-mod machine;
+mod autoregressive;
 mod noise;
 mod params;
 mod probs;
+mod slots;
+pub mod strategy;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-pub use machine::{Decoder, Poll};
 pub use noise::Noise;
 pub use params::DecodeParams;
 pub use probs::{argmax, prob};
+pub use slots::SlotDecoder;
+pub use strategy::{start, Kind, Poll, Strategy};
 
 use crate::error::{Error, RequestError, Result};
 use crate::kv::{KvCache, SeqId};
@@ -114,7 +119,7 @@ pub fn check(prompt: &[u32], params: &DecodeParams, vocab: usize, capacity: usiz
         return Err(RequestError::OutsideVocabulary { token, vocab }.into());
     }
     let gen = params.padded_gen_length() as usize;
-    let block = gen / params.serial_blocks as usize;
+    let block = params.strategy.scratch(params);
     let needed = prompt.len() + gen + block;
     if needed > capacity {
         return Err(RequestError::TooLong {
@@ -145,8 +150,10 @@ pub fn generate_cancellable<M: Forward + ?Sized>(
             "the KV cache holds more entries than the prompt",
         ));
     }
+    let cached = cached.min(params.strategy.max_reuse(prompt.len()));
+    cache.crop(cached);
     cache.clear_rows();
-    let mut dec = Decoder::new(prompt, cached, params);
+    let mut dec = start(prompt, cached, params);
     let mut logits = crate::model::Logits {
         vocab: model.config().vocab,
         data: Vec::new(),

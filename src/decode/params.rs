@@ -18,6 +18,8 @@ pub struct DecodeParams {
     pub mask_id: u32,
     /// Reproduce the reference's EOS-index bug (for comparison with its raw output only).
     pub reference_eos_bug: bool,
+    /// How to decode ([`super::Kind`]): ReFusion's slot decoding unless asked otherwise.
+    pub strategy: super::Kind,
 }
 
 impl DecodeParams {
@@ -33,6 +35,7 @@ impl DecodeParams {
             eos_id,
             mask_id,
             reference_eos_bug: false,
+            strategy: super::Kind::Slots,
         }
     }
 
@@ -55,7 +58,7 @@ impl DecodeParams {
     }
 
     /// Tokens per serial block (the padded length over the serial blocks).
-    pub fn block_length(&self) -> u32 {
+    pub fn block_len(&self) -> u32 {
         self.padded_gen_length() / self.serial_blocks.max(1)
     }
 
@@ -86,7 +89,12 @@ impl DecodeParams {
     }
 
     pub fn validate(&self) -> Result<()> {
-        self.defaults().validate().map_err(Error::msg)?;
+        let mut d = self.defaults();
+        if self.strategy != super::Kind::Slots {
+            // Slots and serial blocks are slot decoding's: any gen length works without them.
+            (d.slot_size, d.serial_blocks) = (1, 1);
+        }
+        d.validate().map_err(Error::msg)?;
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(Error::msg(format!(
                 "temperature must be >= 0, got {}",
@@ -140,7 +148,7 @@ mod tests {
                 for &b in &edge {
                     let mut p = DecodeParams::new(DecodingDefaults::default(), 1, 2);
                     (p.gen_length, p.slot_size, p.serial_blocks) = (l, k, b);
-                    let _ = (p.padded_gen_length(), p.block_length(), p.dropped_tail());
+                    let _ = (p.padded_gen_length(), p.block_len(), p.dropped_tail());
                     p.fit_serial_blocks(b);
                     if p.validate().is_ok() {
                         assert!(p.padded_gen_length() <= 2 << 20);

@@ -1,4 +1,4 @@
-//! Many requests at once (continuous batching): each request is a [`Decoder`] over its own
+//! Many requests at once (continuous batching): each request is a decoding [`Strategy`] over its own
 //! sequence of one shared KV cache; every step, the scheduler asks each running decoder for its
 //! next batch, runs them all as one forward, and hands each its logits back. A new request
 //! joins at the next step; a finished or cancelled one leaves at once, freeing its entries.
@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::decode::{self, DecodeParams, DecodeResult, Decoder, Event, Poll};
+use crate::decode::{self, DecodeParams, DecodeResult, Event, Poll, Strategy};
 use crate::error::{Error, RequestError, Result};
 use crate::kv::{KvCache, SeqId};
 use crate::model::{Batch, Forward, Logits, LogitsFor, LogitsRef};
@@ -46,7 +46,7 @@ pub struct Request<'a> {
 struct Running<'a> {
     req: Request<'a>,
     seq: SeqId,
-    dec: Decoder,
+    dec: Box<dyn Strategy>,
     /// Its prompt's entries are in the cache (after its first forward) and cached for others.
     prompt_cached: bool,
     /// Own prompt entries (not borrowed): what stays cached when it ends.
@@ -221,10 +221,10 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
                 return;
             };
             let gen = req.params.padded_gen_length() as usize;
-            let block = gen / req.params.serial_blocks as usize;
+            let block = req.params.strategy.scratch(&req.params);
             let (seq, reused) = loop {
-                // At most all but nothing of the prompt: the planning forward needs no prompt.
-                let hit = self.prefixes.lookup(&req.prompt, req.prompt.len());
+                let reuse = req.params.strategy.max_reuse(req.prompt.len());
+                let hit = self.prefixes.lookup(&req.prompt, reuse);
                 let reused = hit.as_ref().map_or(0, |h| h.len);
                 let borrow = hit.map(|h| h.segments).unwrap_or_default();
                 let reserve = req.prompt.len() - reused + gen + block;
@@ -253,7 +253,7 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
             self.stats.prompt_tokens += req.prompt.len() as u64;
             self.stats.prompt_tokens_reused += reused as u64;
             (req.sink)(Update::Started { reused });
-            let dec = Decoder::new(&req.prompt, reused, &req.params);
+            let dec = decode::start(&req.prompt, reused, &req.params);
             let own_prompt = req.prompt.len() - reused;
             self.running.push(Running {
                 req,

@@ -154,6 +154,8 @@ pub struct Knobs {
     pub serial_blocks: Option<u32>,
     pub slot_threshold: Option<f32>,
     pub token_threshold: Option<f32>,
+    /// `slots` (the default) or `ar`.
+    pub strategy: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -204,9 +204,14 @@ pub fn params_for(knobs: &Knobs, limits: &Limits) -> Result<DecodeParams, ApiErr
         Some(v) => p.serial_blocks = v,
         // Keep the server's block length when only max_tokens (or the slot size) changed.
         None if p.gen_length != limits.base.gen_length || p.slot_size != limits.base.slot_size => {
-            p.fit_serial_blocks(limits.base.block_length())
+            p.fit_serial_blocks(limits.base.block_len())
         }
         None => {}
+    }
+    if let Some(s) = &knobs.strategy {
+        p.strategy = s
+            .parse()
+            .map_err(|e: String| ApiError::bad_request(e).param("strategy"))?;
     }
     if let Some(v) = knobs.slot_threshold {
         p.slot_threshold = v;
@@ -616,5 +621,30 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_strategy_field_picks_a_strategy_or_is_a_400() {
+        use super::{params_for, Knobs, Limits};
+        use crate::decode::{DecodeParams, Kind};
+        let limits = Limits {
+            base: DecodeParams::new(Default::default(), 1, 2),
+            max_gen_length: 2048,
+            parallel: 4,
+        };
+        let with = |s: &str| Knobs {
+            strategy: Some(s.into()),
+            max_tokens: Some(10),
+            ..Default::default()
+        };
+        let p = params_for(&with("ar"), &limits).unwrap();
+        assert_eq!((p.strategy, p.gen_length), (Kind::Autoregressive, 10));
+        assert_eq!(
+            params_for(&with("slots"), &limits).unwrap().strategy,
+            Kind::Slots
+        );
+        let e = params_for(&with("beam"), &limits).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("strategy"));
+        assert!(e.message.contains("expected slots or ar"), "{}", e.message);
     }
 }

@@ -448,3 +448,27 @@ pub fn with_metadata(src: &Path, dst: &Path, edit: impl Fn(&mut Vec<(String, Val
     }
     w.finish().unwrap();
 }
+
+/// A golden case's token ids (`prompt`, `tokens`, ...).
+pub fn golden_ids(v: &Json) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// A golden case's decoding parameters (slot decoding, seed 0).
+pub fn golden_params(case: &Json) -> refusion::decode::DecodeParams {
+    let n = |k: &str| case[k].as_u64().unwrap() as u32;
+    let x = |k: &str| case[k].as_f64().unwrap();
+    refusion::decode::DecodeParams {
+        gen_length: n("gen_length"),
+        slot_size: n("slot_size"),
+        serial_blocks: n("serial_num_blocks"),
+        slot_threshold: x("slot_threshold") as f32,
+        token_threshold: x("token_threshold") as f32,
+        temperature: x("temperature"),
+        ..refusion::decode::DecodeParams::new(Default::default(), n("eos_id"), n("mask_id"))
+    }
+}

@@ -1,24 +1,19 @@
-//! The decoder as a state machine: [`Decoder::poll`] says which tokens it needs forwarded next
-//! (or that it is done), [`Decoder::feed`] takes their logits back. A scheduler can thus merge
-//! the batches of several decoders into one forward and split the logits back; driven alone
-//! ([`super::generate_cancellable`]) it makes exactly the forwards of the reference's loop.
+//! ReFusion's slot decoding as a [`Strategy`]: [`SlotDecoder::poll`] says which tokens it needs
+//! forwarded next (or that it is done), [`SlotDecoder::feed`] takes their logits back. A
+//! scheduler can thus merge the batches of several decoders into one forward and split the
+//! logits back; driven alone ([`super::generate_cancellable`]) it makes exactly the forwards of
+//! the reference's loop.
 //!
 //! One iteration of the reference's `while` loop over a serial block's remaining slots is one
 //! *step*, in phases: plan (draft every remaining slot), verify (the confident slots
 //! autoregressively), and when no slot prefix is accepted, infill (draft and re-verify the
 //! chosen slots as parallel rows, up to `slot_size` rounds).
 
+use super::strategy::{Poll, Strategy};
 use super::{argmax, prob, DecodeParams, DecodeResult, Event, Noise};
 use crate::error::{Error, Result};
 use crate::kv::SeqCache;
 use crate::model::{Batch, LogitsFor, LogitsRef};
-
-/// What the decoder needs next.
-pub enum Poll<'a> {
-    /// Forward this batch (its rows are the decoder's own) and [`Decoder::feed`] the logits.
-    Forward(&'a Batch),
-    Done,
-}
 
 /// The planning forward's drafts of the remaining slots and the slots chosen to verify.
 struct Planned {
@@ -57,7 +52,7 @@ enum Phase {
     Done,
 }
 
-pub struct Decoder {
+pub struct SlotDecoder {
     p: DecodeParams,
     k: usize,
     prompt_len: usize,
@@ -86,16 +81,15 @@ pub struct Decoder {
     logit_row: Vec<usize>,
 }
 
-impl Decoder {
+impl SlotDecoder {
     /// A decoder of `prompt`, whose first `cached` tokens are already the sequence's shared
     /// entries. The caller has checked the prompt and the cache's room ([`super::check`]).
-    pub fn new(prompt: &[u32], cached: usize, params: &DecodeParams) -> Decoder {
-        let gen_len = params.padded_gen_length() as usize;
-        let mut d = Decoder {
+    pub fn new(prompt: &[u32], cached: usize, params: &DecodeParams) -> SlotDecoder {
+        let mut d = SlotDecoder {
             p: params.clone(),
             k: params.slot_size as usize,
             prompt_len: prompt.len(),
-            block_len: gen_len / params.serial_blocks as usize,
+            block_len: params.block_len() as usize,
             block: 0,
             slots: Vec::new(),
             pending_prompt: prompt[cached..].to_vec(),
@@ -121,74 +115,6 @@ impl Decoder {
         self.slots = (0..self.block_len / self.k)
             .map(|s| (start + s * self.k) as u32)
             .collect();
-    }
-
-    /// Between two steps (where the reference's loop may be left: cancellation).
-    pub fn at_step_boundary(&self) -> bool {
-        matches!(self.phase, Phase::Plan | Phase::Done)
-    }
-
-    pub fn is_done(&self) -> bool {
-        matches!(self.phase, Phase::Done)
-    }
-
-    /// The next forward, or done.
-    pub fn poll(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Result<Poll<'_>> {
-        match &self.phase {
-            Phase::Done => return Ok(Poll::Done),
-            Phase::Plan => self.build_plan(),
-            Phase::Verify(pl) => {
-                build_verify(&mut self.batch, pl, &self.slots, self.k);
-                // Token j of a slot is scored by token j-1's logits: not the slot's last.
-                let k = self.k;
-                want(&mut self.batch, &mut self.logit_row, |b| b % k != k - 1);
-            }
-            Phase::Draft(inf) => {
-                on_event(Event::Infill {
-                    slot_starts: &inf.row_slot_starts,
-                    tokens: &inf.spec,
-                    tags: &inf.tags,
-                });
-                build_rows(&mut self.batch, inf, self.k, Some(self.p.mask_id));
-                // Only the masked tokens' predictions are read.
-                let width = self.k - inf.a;
-                want(&mut self.batch, &mut self.logit_row, |b| {
-                    !inf.tags[b / width][inf.a + b % width]
-                });
-            }
-            Phase::Recheck(inf) => {
-                build_rows(&mut self.batch, inf, self.k, None);
-                // Token j is scored by token j-1's logits, and only when j-1 was not verified
-                // (a row's first token, and one after a verified token, pass regardless).
-                let (width, a) = (self.k - inf.a, inf.a);
-                want(&mut self.batch, &mut self.logit_row, |b| {
-                    let (r, local) = (b / width, b % width);
-                    local + 1 < width && !inf.tags[r][a + local]
-                });
-            }
-        }
-        Ok(Poll::Forward(&self.batch))
-    }
-
-    /// The logits of the batch [`Decoder::poll`] asked for.
-    pub fn feed(
-        &mut self,
-        logits: &LogitsRef<'_>,
-        cache: &mut SeqCache<'_>,
-        on_event: &mut dyn FnMut(Event<'_>),
-    ) -> Result<()> {
-        self.forward_calls += 1;
-        self.forward_tokens += self.batch.len();
-        self.forward_sizes.push(self.batch.len() as u32);
-        match std::mem::replace(&mut self.phase, Phase::Done) {
-            Phase::Plan => self.after_plan(logits, cache, on_event),
-            Phase::Verify(pl) => self.after_verify(pl, logits, cache, on_event),
-            Phase::Draft(inf) => self.after_draft(inf, logits, cache),
-            Phase::Recheck(inf) => self.after_recheck(inf, logits, cache, on_event),
-            Phase::Done => Err(Error::msg(
-                "internal error: logits fed to a finished decoder",
-            )),
-        }
     }
 
     /// Removes the step's finished slots and moves to the next step, block or the end.
@@ -540,9 +466,79 @@ impl Decoder {
         self.end_step(to_remove);
         Ok(())
     }
+}
+
+impl Strategy for SlotDecoder {
+    /// Between two steps (where the reference's loop may be left: cancellation).
+    fn at_step_boundary(&self) -> bool {
+        matches!(self.phase, Phase::Plan | Phase::Done)
+    }
+
+    fn is_done(&self) -> bool {
+        matches!(self.phase, Phase::Done)
+    }
+
+    /// The next forward, or done.
+    fn poll(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Result<Poll<'_>> {
+        match &self.phase {
+            Phase::Done => return Ok(Poll::Done),
+            Phase::Plan => self.build_plan(),
+            Phase::Verify(pl) => {
+                build_verify(&mut self.batch, pl, &self.slots, self.k);
+                // Token j of a slot is scored by token j-1's logits: not the slot's last.
+                let k = self.k;
+                want(&mut self.batch, &mut self.logit_row, |b| b % k != k - 1);
+            }
+            Phase::Draft(inf) => {
+                on_event(Event::Infill {
+                    slot_starts: &inf.row_slot_starts,
+                    tokens: &inf.spec,
+                    tags: &inf.tags,
+                });
+                build_rows(&mut self.batch, inf, self.k, Some(self.p.mask_id));
+                // Only the masked tokens' predictions are read.
+                let width = self.k - inf.a;
+                want(&mut self.batch, &mut self.logit_row, |b| {
+                    !inf.tags[b / width][inf.a + b % width]
+                });
+            }
+            Phase::Recheck(inf) => {
+                build_rows(&mut self.batch, inf, self.k, None);
+                // Token j is scored by token j-1's logits, and only when j-1 was not verified
+                // (a row's first token, and one after a verified token, pass regardless).
+                let (width, a) = (self.k - inf.a, inf.a);
+                want(&mut self.batch, &mut self.logit_row, |b| {
+                    let (r, local) = (b / width, b % width);
+                    local + 1 < width && !inf.tags[r][a + local]
+                });
+            }
+        }
+        Ok(Poll::Forward(&self.batch))
+    }
+
+    /// The logits of the batch [`Decoder::poll`] asked for.
+    fn feed(
+        &mut self,
+        logits: &LogitsRef<'_>,
+        cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        self.forward_calls += 1;
+        self.forward_tokens += self.batch.len();
+        self.forward_sizes.push(self.batch.len() as u32);
+        match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Plan => self.after_plan(logits, cache, on_event),
+            Phase::Verify(pl) => self.after_verify(pl, logits, cache, on_event),
+            Phase::Draft(inf) => self.after_draft(inf, logits, cache),
+            Phase::Recheck(inf) => self.after_recheck(inf, logits, cache, on_event),
+            Phase::Done => Err(Error::msg(
+                "internal error: logits fed to a finished decoder",
+            )),
+        }
+    }
 
     /// The result, once done: committed tokens sorted by position, the prompt removed.
-    pub fn result(&mut self) -> DecodeResult {
+    fn result(&mut self) -> DecodeResult {
         let mut order: Vec<usize> = (0..self.cur_x.len()).collect();
         order.sort_by_key(|&i| self.cur_pos[i]);
         let tokens: Vec<u32> = order

@@ -1,0 +1,128 @@
+//! Plain left-to-right decoding as a [`Strategy`]: the prompt (what the cache lacks of it) in
+//! one forward, then one token per forward, each the arg-max of the last token's logits (or,
+//! at a temperature, the same noise as slot decoding's planning drafts), until EOS or the gen
+//! length. It is what llama.cpp does with the same file, and the baseline slot decoding is
+//! compared with (`--strategy ar`): its TPF is 1 by definition.
+//!
+//! ReFusion was not trained for it: inside a slot a token learns to predict the next one, but
+//! the prompt's last token and every slot's last token get no next-token label, so expect
+//! worse answers than slot decoding from a ReFusion file (a plain Qwen3 file decodes as usual).
+
+use super::strategy::{Poll, Strategy};
+use super::{argmax, DecodeParams, DecodeResult, Event, Noise};
+use crate::error::{Error, Result};
+use crate::kv::SeqCache;
+use crate::model::{Batch, LogitsFor, LogitsRef};
+
+pub struct Autoregressive {
+    p: DecodeParams,
+    noise: Noise,
+    /// Tokens to feed next (the uncached prompt first, then each new token), at `next_pos`.
+    feed: Vec<u32>,
+    next_pos: u32,
+    /// Generated tokens and their positions.
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    done: bool,
+    awaiting: bool,
+    forward_calls: usize,
+    forward_tokens: usize,
+    forward_sizes: Vec<u32>,
+    batch: Batch,
+}
+
+impl Autoregressive {
+    /// Over `prompt`, whose first `cached` tokens are already the sequence's shared entries
+    /// (never all of them: [`super::Kind::max_reuse`]).
+    pub fn new(prompt: &[u32], cached: usize, params: &DecodeParams) -> Autoregressive {
+        let from = cached.min(prompt.len().saturating_sub(1));
+        Autoregressive {
+            p: params.clone(),
+            noise: Noise::new(params.seed),
+            feed: prompt[from..].to_vec(),
+            next_pos: from as u32,
+            tokens: Vec::new(),
+            positions: Vec::new(),
+            done: params.gen_length == 0,
+            awaiting: false,
+            forward_calls: 0,
+            forward_tokens: 0,
+            forward_sizes: Vec::new(),
+            batch: Batch::default(),
+        }
+    }
+}
+
+impl Strategy for Autoregressive {
+    fn poll(&mut self, _on_event: &mut dyn FnMut(Event<'_>)) -> Result<Poll<'_>> {
+        if self.done {
+            return Ok(Poll::Done);
+        }
+        let b = &mut self.batch;
+        b.clear();
+        for (i, &t) in self.feed.iter().enumerate() {
+            b.push(t, self.next_pos + i as u32, 0);
+        }
+        b.logits_for = LogitsFor::Indices(vec![b.len() - 1]);
+        self.awaiting = true;
+        Ok(Poll::Forward(&self.batch))
+    }
+
+    fn feed(
+        &mut self,
+        logits: &LogitsRef<'_>,
+        cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        if !self.awaiting {
+            return Err(Error::msg(
+                "internal error: logits fed to a decoder that asked for none",
+            ));
+        }
+        self.awaiting = false;
+        let n = self.batch.len();
+        self.forward_calls += 1;
+        self.forward_tokens += n;
+        self.forward_sizes.push(n as u32);
+        cache.commit_row(0)?;
+        self.next_pos += n as u32;
+        let row = logits.row(0);
+        let tok = if self.p.temperature > 0.0 {
+            self.noise.sample(row, self.p.temperature)
+        } else {
+            argmax(row)
+        } as u32;
+        let pos = self.next_pos;
+        self.tokens.push(tok);
+        self.positions.push(pos);
+        on_event(Event::Committed {
+            positions: &[pos],
+            tokens: &[tok],
+        });
+        self.feed.clear();
+        self.feed.push(tok);
+        self.done = tok == self.p.eos_id || self.tokens.len() >= self.p.gen_length as usize;
+        Ok(())
+    }
+
+    fn at_step_boundary(&self) -> bool {
+        !self.awaiting
+    }
+
+    fn is_done(&self) -> bool {
+        self.done
+    }
+
+    fn result(&mut self) -> DecodeResult {
+        let eos_index = self.tokens.iter().position(|&t| t == self.p.eos_id);
+        DecodeResult {
+            tokens: std::mem::take(&mut self.tokens),
+            positions: std::mem::take(&mut self.positions),
+            tpf: if self.forward_calls > 0 { 1.0 } else { 0.0 },
+            forward_calls: self.forward_calls,
+            forward_tokens: self.forward_tokens,
+            forward_sizes: std::mem::take(&mut self.forward_sizes),
+            eos_index,
+        }
+    }
+}
