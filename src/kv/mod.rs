@@ -5,6 +5,7 @@
 //!   regions they live in, reference counts);
 //! - [`host`] and [`device`]: the K/V bytes of the mapped and the device-resident layers;
 //! - [`saved`]: a sequence's prefix in a file (`--prompt-cache`, chat's `/save`);
+//! - [`placement`]: where a batch's tokens go and what each may see ([`KvCache::place`]);
 //! - [`claim`]: whether a path may be written as one of those files (never a file of the
 //!   user's that is not ours).
 //!
@@ -23,6 +24,7 @@ pub mod cells;
 pub mod claim;
 pub mod device;
 pub mod host;
+pub mod placement;
 pub mod saved;
 
 use std::path::Path;
@@ -32,6 +34,7 @@ use half::f16;
 
 pub use cells::{Move, Segment, SeqId};
 pub use device::DeviceLayer;
+pub use placement::{Placement, Sight, Visible};
 pub use saved::SavedPrefix;
 
 use cells::Cells;
@@ -221,7 +224,7 @@ impl KvCache {
     /// Appends one new entry per token to its row of its sequence (`seqs` empty: the default
     /// sequence) and returns the slots, in batch order. Fails, changing nothing, when a
     /// sequence's room is short.
-    pub fn allocate_for(
+    fn allocate_for(
         &mut self,
         seqs: &[u32],
         rows: &[u32],

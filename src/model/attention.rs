@@ -6,25 +6,9 @@
 
 use std::cell::RefCell;
 
+pub use crate::kv::Visible;
 use crate::kv::{HeadView, Kv, KvCache, Segment};
 use crate::model::expf;
-
-/// What one new token attends to: its sequence's shared prefix (segments of slots, in cache
-/// order) and the first `count` private slots of its row.
-#[derive(Debug, Clone, Copy)]
-pub struct Visible<'a> {
-    /// The token's sequence (tokens of one sequence see the same prefix).
-    pub seq: u32,
-    pub prefix: &'a [Segment],
-    pub row_slots: &'a [usize],
-    pub count: usize,
-}
-
-impl Visible<'_> {
-    pub fn prefix_len(&self) -> usize {
-        self.prefix.iter().map(|s| s.len).sum()
-    }
-}
 
 /// `a · b` with eight partial sums (vectorizes; keeps rounding error low).
 #[cfg(target_arch = "x86_64")]

@@ -10,7 +10,7 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::error::Result;
-use crate::kv::{DeviceLayer, KvCache, Segment, SeqId};
+use crate::kv::{DeviceLayer, KvCache, Segment, SeqId, Sight};
 
 /// The tokens of one sequence in a forward (consecutive in the batch) and what they see.
 struct Group {
@@ -35,13 +35,13 @@ pub struct DeviceVisibility {
 }
 
 impl DeviceVisibility {
-    /// `visible[i] = (seq, row, count)`: token `i` sees its sequence's shared prefix and the
-    /// first `count` private slots of `row`. `slots` are the batch's new entries (already
+    /// `visible[i]`: what token `i` sees (its sequence's shared prefix and the first `count`
+    /// private slots of its row, [`Sight`]). `slots` are the batch's new entries (already
     /// allocated in `cache`); `inv_freq` is RoPE's.
     pub fn new(
         cache: &KvCache,
         slots: &[usize],
-        visible: &[(u32, usize, usize)],
+        visible: &[Sight],
         positions: &[u32],
         inv_freq: &[f32],
         device: &Device,
@@ -49,8 +49,8 @@ impl DeviceVisibility {
         let mut groups = Vec::new();
         let mut start = 0;
         while start < visible.len() {
-            let seq = visible[start].0;
-            let len = visible[start..].iter().take_while(|v| v.0 == seq).count();
+            let seq = visible[start].seq;
+            let len = visible[start..].iter().take_while(|v| v.seq == seq).count();
             groups.push(Self::group(
                 cache,
                 seq,
@@ -84,7 +84,7 @@ impl DeviceVisibility {
         cache: &KvCache,
         seq: u32,
         start: usize,
-        visible: &[(u32, usize, usize)],
+        visible: &[Sight],
         device: &Device,
     ) -> Result<Group> {
         let id = SeqId(seq);
@@ -92,7 +92,7 @@ impl DeviceVisibility {
         // Each row's slots once, in order of first appearance in the group.
         let mut offsets: Vec<(usize, usize)> = Vec::new();
         let mut private: Vec<u32> = Vec::new();
-        for &(_, r, _) in visible {
+        for &Sight { row: r, .. } in visible {
             if !offsets.iter().any(|&(row, _)| row == r) {
                 offsets.push((r, private.len()));
                 private.extend(cache.cells().row_slots(id, r).iter().map(|&s| s as u32));
@@ -100,7 +100,7 @@ impl DeviceVisibility {
         }
         let u = private.len();
         let mut mask = vec![f32::NEG_INFINITY; n * u];
-        for (i, &(_, r, count)) in visible.iter().enumerate() {
+        for (i, &Sight { row: r, count, .. }) in visible.iter().enumerate() {
             let o = offsets
                 .iter()
                 .find(|&&(row, _)| row == r)

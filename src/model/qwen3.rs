@@ -25,7 +25,7 @@ use super::kquants::{matmul_many, PackedMatrix};
 use super::linear::Linear;
 use super::{Batch, Forward, Logits, Offload, Qwen3Config};
 use crate::error::{Error, Result};
-use crate::kv::{CacheShape, KvCache, Segment, SeqId};
+use crate::kv::{CacheShape, KvCache, Placement, Sight};
 
 fn candle_dtype(ty: GgmlType) -> GgmlDType {
     match ty {
@@ -567,12 +567,11 @@ impl Layer {
 struct Chunk<'a> {
     tokens: &'a [u32],
     positions: &'a [u32],
+    /// Where the chunk's tokens' entries go, and what each sees (its part of the placement).
     slots: &'a [usize],
-    /// `(seq, row, count)`: the token sees its sequence's shared prefix and the first `count`
-    /// private slots of its row.
-    visible: &'a [(u32, usize, usize)],
-    /// The shared prefix of each sequence in the batch.
-    prefixes: &'a [(u32, Vec<Segment>)],
+    sights: &'a [Sight],
+    placement: &'a Placement,
+    range: std::ops::Range<usize>,
     /// Chunk indices logits are wanted for.
     wanted: Vec<usize>,
 }
@@ -580,21 +579,7 @@ struct Chunk<'a> {
 impl Chunk<'_> {
     /// What each token sees, as the attention reads it (after this layer's entries landed).
     fn visible_in<'c>(&'c self, cache: &'c KvCache) -> Vec<Visible<'c>> {
-        let prefix_of = |seq: u32| {
-            self.prefixes
-                .iter()
-                .find(|(s, _)| *s == seq)
-                .map_or(&[][..], |(_, p)| p.as_slice())
-        };
-        self.visible
-            .iter()
-            .map(|&(seq, r, count)| Visible {
-                seq,
-                prefix: prefix_of(seq),
-                row_slots: cache.cells().row_slots(SeqId(seq), r),
-                count,
-            })
-            .collect()
+        self.placement.visible(self.range.clone(), cache)
     }
 }
 
@@ -610,7 +595,7 @@ impl Qwen3 {
             Some(o) if o.layers > 0 => Some(DeviceVisibility::new(
                 cache,
                 c.slots,
-                c.visible,
+                c.sights,
                 c.positions,
                 &self.inv_freq,
                 &o.device,
@@ -757,38 +742,15 @@ impl Forward for Qwen3 {
                 self.gpu_layers()
             )));
         }
-        // Which private slots each token sees: its row's earlier entries and its own. Count
-        // each row's entries before this batch's land.
-        let mut seen: std::collections::HashMap<(u32, usize), usize> =
-            std::collections::HashMap::new();
-        let mut prefixes: Vec<(u32, Vec<Segment>)> = Vec::new();
-        for (i, &r) in batch.rows.iter().enumerate() {
-            let seq = batch.seq(i);
-            seen.entry((seq, r as usize))
-                .or_insert_with(|| cache.cells().row_slots(SeqId(seq), r as usize).len());
-            if !prefixes.iter().any(|(s, _)| *s == seq) {
-                prefixes.push((seq, cache.cells().segments(SeqId(seq))?));
-            }
-        }
-        let slots = cache.allocate_for(&batch.seqs, &batch.rows, &batch.positions)?;
-        let visible: Vec<(u32, usize, usize)> = batch
-            .rows
-            .iter()
-            .enumerate()
-            .map(|(i, &r)| {
-                let seq = batch.seq(i);
-                let c = seen.entry((seq, r as usize)).or_default();
-                *c += 1;
-                (seq, r as usize, *c)
-            })
-            .collect();
-
+        // Where the tokens go and what each sees: the cache's answer.
+        let placement = cache.place(&batch.seqs, &batch.rows, &batch.positions)?;
         let chunk = |start: usize, end: usize, wanted: Vec<usize>| Chunk {
             tokens: &batch.tokens[start..end],
             positions: &batch.positions[start..end],
-            slots: &slots[start..end],
-            visible: &visible[start..end],
-            prefixes: &prefixes,
+            slots: &placement.slots[start..end],
+            sights: &placement.sights[start..end],
+            placement: &placement,
+            range: start..end,
             wanted,
         };
         if n <= self.ubatch {
