@@ -8,7 +8,7 @@ use std::cell::RefCell;
 
 pub use crate::kv::Visible;
 use crate::kv::{HeadView, Kv, KvCache, Segment};
-use crate::model::expf;
+use crate::model::{expf, Heads};
 
 /// `a · b` with eight partial sums (vectorizes; keeps rounding error low).
 #[cfg(target_arch = "x86_64")]
@@ -252,17 +252,15 @@ thread_local! {
 /// cache order, then its row's, one fixed dot product each, one softmax, the values summed in
 /// the same order) whatever else is in the batch, how the batch is chunked, or where in the
 /// cache its entries lie. So a request's answer does not depend on its neighbours.
-#[allow(clippy::too_many_arguments)]
 pub fn attend(
     q: &[f32],
     cache: &KvCache,
     layer: usize,
     visible: &[Visible<'_>],
-    n_heads: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
+    heads: Heads,
     out: &mut [f32],
 ) {
+    let (n_heads, n_kv_heads, head_dim) = (heads.n, heads.kv, heads.dim);
     /// Tokens of one sequence handled together: each prefix entry is read once for all of them.
     const BLOCK: usize = 8;
     let group = n_heads / n_kv_heads;
@@ -579,10 +577,32 @@ mod tests {
                 .collect();
             let q: Vec<f32> = (0..n * nh * hd).map(|_| lcg(&mut seed)).collect();
             let mut fast = vec![0f32; n * nh * hd];
-            attend(&q, &cache, 0, &visible, nh, nkv, hd, &mut fast);
+            attend(
+                &q,
+                &cache,
+                0,
+                &visible,
+                Heads {
+                    n: nh,
+                    kv: nkv,
+                    dim: hd,
+                },
+                &mut fast,
+            );
             FORCE_PORTABLE.store(true, std::sync::atomic::Ordering::SeqCst);
             let mut portable = vec![0f32; n * nh * hd];
-            attend(&q, &cache, 0, &visible, nh, nkv, hd, &mut portable);
+            attend(
+                &q,
+                &cache,
+                0,
+                &visible,
+                Heads {
+                    n: nh,
+                    kv: nkv,
+                    dim: hd,
+                },
+                &mut portable,
+            );
             FORCE_PORTABLE.store(false, std::sync::atomic::Ordering::SeqCst);
             assert!(
                 fast.iter()

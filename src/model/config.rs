@@ -4,6 +4,22 @@ use refusion_convert::gguf::{GgufHeader, Value};
 
 use crate::error::{Error, Result};
 
+/// The attention's shape: query heads, KV heads (each shared by `n / kv` query heads) and the
+/// head size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heads {
+    pub n: usize,
+    pub kv: usize,
+    pub dim: usize,
+}
+
+impl Heads {
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.n / self.kv
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Qwen3Config {
     pub n_layers: usize,
@@ -41,6 +57,15 @@ fn positive(key: &str, v: u64) -> Result<usize> {
 }
 
 impl Qwen3Config {
+    /// The attention's shape.
+    pub fn heads(&self) -> Heads {
+        Heads {
+            n: self.n_heads,
+            kv: self.n_kv_heads,
+            dim: self.head_dim,
+        }
+    }
+
     /// Reads and checks the `qwen3.*` keys, and the vocabulary from `token_embd`.
     pub fn from_gguf(h: &GgufHeader) -> Result<Qwen3Config> {
         let arch = h

@@ -7,12 +7,13 @@ pub mod device_attention;
 pub mod expf;
 mod host;
 pub mod kquants;
+mod layer;
 mod linear;
 mod mapped;
 pub mod pool;
 pub mod qwen3;
 
-pub use config::Qwen3Config;
+pub use config::{Heads, Qwen3Config};
 pub use qwen3::Qwen3;
 
 use crate::error::Result;

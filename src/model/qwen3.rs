@@ -18,14 +18,14 @@ use candle_core::{DType, Device, Tensor};
 use refusion_convert::gguf::{GgmlType, GgufFile, TensorInfo};
 use refusion_convert::quant;
 
-use super::attention::{attend, Visible};
 use super::device_attention::{self, DeviceVisibility};
 use super::host::{self, sized, RopeTable, Scratch};
-use super::kquants::{matmul_many, PackedMatrix};
+use super::kquants::matmul_many;
+use super::layer::{Attention, Chunk, Layer, Mlp, Pass};
 use super::linear::Linear;
 use super::{Batch, Forward, Logits, Offload, Qwen3Config};
 use crate::error::{Error, Result};
-use crate::kv::{CacheShape, KvCache, Placement, Sight};
+use crate::kv::{CacheShape, KvCache};
 
 fn candle_dtype(ty: GgmlType) -> GgmlDType {
     match ty {
@@ -45,32 +45,6 @@ fn candle_dtype(ty: GgmlType) -> GgmlDType {
         GgmlType::Q6_K => GgmlDType::Q6K,
         GgmlType::Q8_K => GgmlDType::Q8K,
     }
-}
-
-struct Layer {
-    /// Where this layer's weights (and K/V) live.
-    device: Device,
-    attn_norm: Tensor,
-    attn_q: Linear,
-    attn_k: Linear,
-    attn_v: Linear,
-    attn_output: Linear,
-    attn_q_norm: Tensor,
-    attn_k_norm: Tensor,
-    ffn_norm: Tensor,
-    ffn_gate: Linear,
-    ffn_up: Linear,
-    ffn_down: Linear,
-    /// The norms as host vectors when the layer runs on the host path (on the CPU, every
-    /// weight on our kernels): plain buffers, no tensors.
-    host: Option<HostNorms>,
-}
-
-struct HostNorms {
-    attn: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    ffn: Vec<f32>,
 }
 
 /// The hidden states between layers: a tensor on the layer's device, or a host buffer.
@@ -249,20 +223,20 @@ impl Qwen3 {
                 mmap,
             };
             let n = |s: &str| format!("blk.{l}.{s}.weight");
+            let m = |s: &str| ld.matmul(&n(s));
             Layer {
+                index: l,
                 device: ld.device.clone(),
-                attn_norm: ld.vector(&n("attn_norm"))?,
-                attn_q: ld.matmul(&n("attn_q"))?,
-                attn_k: ld.matmul(&n("attn_k"))?,
-                attn_v: ld.matmul(&n("attn_v"))?,
-                attn_output: ld.matmul(&n("attn_output"))?,
-                attn_q_norm: ld.vector(&n("attn_q_norm"))?,
-                attn_k_norm: ld.vector(&n("attn_k_norm"))?,
-                ffn_norm: ld.vector(&n("ffn_norm"))?,
-                ffn_gate: ld.matmul(&n("ffn_gate"))?,
-                ffn_up: ld.matmul(&n("ffn_up"))?,
-                ffn_down: ld.matmul(&n("ffn_down"))?,
-                host: None,
+                attn: Attention::new(
+                    ld.vector(&n("attn_norm"))?,
+                    [m("attn_q")?, m("attn_k")?, m("attn_v")?, m("attn_output")?],
+                    ld.vector(&n("attn_q_norm"))?,
+                    ld.vector(&n("attn_k_norm"))?,
+                ),
+                mlp: Mlp::new(
+                    ld.vector(&n("ffn_norm"))?,
+                    [m("ffn_gate")?, m("ffn_up")?, m("ffn_down")?],
+                ),
             }
             .with_host_norms()
         };
@@ -366,14 +340,14 @@ impl Qwen3 {
     /// compare the two: the same logits to the bit).
     pub fn use_tensor_path(&mut self) {
         for l in &mut self.layers {
-            l.host = None;
+            l.drop_host_norms();
         }
         self.output_norm_host = None;
     }
 
     /// Whether any layer runs on the host path.
     pub fn uses_host_path(&self) -> bool {
-        self.layers.iter().any(|l| l.host.is_some())
+        self.layers.iter().any(|l| l.on_host_path())
     }
 
     /// Sets the most tokens one chunk of a forward holds (at least 1).
@@ -453,136 +427,6 @@ fn release_prefix(file: &GgufFile, prefix: &str) {
     }
 }
 
-impl Layer {
-    /// Sets `host` when every weight runs on our kernels on the CPU.
-    fn with_host_norms(mut self) -> Result<Layer> {
-        if self.device.is_cpu() && self.packed().is_some() {
-            self.host = Some(HostNorms {
-                attn: self.attn_norm.to_vec1()?,
-                q: self.attn_q_norm.to_vec1()?,
-                k: self.attn_k_norm.to_vec1()?,
-                ffn: self.ffn_norm.to_vec1()?,
-            });
-        }
-        Ok(self)
-    }
-
-    /// q, k, v, the attention's output, gate, up and down, when all are on our kernels.
-    fn packed(&self) -> Option<[&PackedMatrix; 7]> {
-        Some([
-            self.attn_q.weight()?,
-            self.attn_k.weight()?,
-            self.attn_v.weight()?,
-            self.attn_output.weight()?,
-            self.ffn_gate.weight()?,
-            self.ffn_up.weight()?,
-            self.ffn_down.weight()?,
-        ])
-    }
-
-    /// The layer on the host path: `x` (`n` rows) updated in place, every step into `s`.
-    #[allow(clippy::too_many_arguments)]
-    fn forward_host(
-        &self,
-        l: usize,
-        cfg: &Qwen3Config,
-        x: &mut [f32],
-        c: &Chunk<'_>,
-        rope: &RopeTable,
-        s: &mut Scratch,
-        cache: &mut KvCache,
-    ) -> Result<()> {
-        let (Some(norms), Some([wq, wk, wv, wo, wg, wu, wd])) = (&self.host, self.packed()) else {
-            return Err(Error::msg(format!("layer {l} is not on the host path")));
-        };
-        let n = c.tokens.len();
-        let (nh, nkv, hd, eps) = (
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            cfg.rms_eps as f32,
-        );
-        let Scratch {
-            h,
-            q,
-            k,
-            v,
-            attn,
-            o,
-            gate,
-            up,
-        } = s;
-        // Attention.
-        let h = sized(h, x.len());
-        host::rms_norm(x, &norms.attn, eps, h);
-        let (q, k, v) = (
-            sized(q, n * wq.rows()),
-            sized(k, n * wk.rows()),
-            sized(v, n * wv.rows()),
-        );
-        matmul_many(&[wq, wk, wv], h, n, &mut [&mut *q, &mut *k, &mut *v]);
-        host::norm_and_rope(q, k, (&norms.q, &norms.k), eps, rope);
-        cache.write(l, c.slots, k, v);
-        let attn = sized(attn, n * nh * hd);
-        attend(q, cache, l, &c.visible_in(cache), nh, nkv, hd, attn);
-        let o = sized(o, x.len());
-        matmul_many(&[wo], attn, n, &mut [&mut *o]);
-        // The residual, and the feed-forward's norm.
-        host::add_and_norm(x, o, &norms.ffn, eps, h);
-        let (gate, up) = (sized(gate, n * wg.rows()), sized(up, n * wu.rows()));
-        matmul_many(&[wg, wu], h, n, &mut [&mut *gate, &mut *up]);
-        host::swiglu_in_place(gate, up);
-        matmul_many(&[wd], gate, n, &mut [&mut *o]);
-        host::add_in_place(x, o);
-        Ok(())
-    }
-
-    fn prepack(&self) -> Result<()> {
-        for m in [
-            &self.attn_q,
-            &self.attn_k,
-            &self.attn_v,
-            &self.attn_output,
-            &self.ffn_gate,
-            &self.ffn_up,
-            &self.ffn_down,
-        ] {
-            m.prepack()?;
-        }
-        Ok(())
-    }
-
-    /// The feed-forward half of the block, with its residual.
-    fn ffn(&self, x: Tensor, eps: f64) -> Result<Tensor> {
-        let h = rms_norm(&x, &self.ffn_norm, eps)?;
-        let [gate, up]: [Tensor; 2] = Linear::forward_shared(&[&self.ffn_gate, &self.ffn_up], &h)?
-            .try_into()
-            .map_err(|_| Error::msg("gate and up"))?;
-        let gate = candle_nn::ops::silu(&gate)?;
-        Ok((x + self.ffn_down.forward(&(gate * up)?)?)?)
-    }
-}
-
-/// One chunk of a forward: its tokens, their cache slots and what each sees.
-struct Chunk<'a> {
-    tokens: &'a [u32],
-    positions: &'a [u32],
-    /// Where the chunk's tokens' entries go, and what each sees (its part of the placement).
-    slots: &'a [usize],
-    sights: &'a [Sight],
-    placement: &'a Placement,
-    range: std::ops::Range<usize>,
-    /// Chunk indices logits are wanted for.
-    wanted: Vec<usize>,
-}
-
-impl Chunk<'_> {
-    /// What each token sees, as the attention reads it (after this layer's entries landed).
-    fn visible_in<'c>(&'c self, cache: &'c KvCache) -> Vec<Visible<'c>> {
-        self.placement.visible(self.range.clone(), cache)
-    }
-}
-
 impl Qwen3 {
     /// Runs one chunk through every layer; the logits of the tokens in `c.wanted` go to `out`
     /// (`wanted x vocab`, resized; left empty when none are wanted).
@@ -603,21 +447,21 @@ impl Qwen3 {
             _ => None,
         };
         let rope = RopeTable::new(c.positions, &self.inv_freq);
-        for (l, layer) in self.layers.iter().enumerate() {
-            if layer.host.is_some() {
-                let h = x.host()?;
-                layer.forward_host(l, cfg, h, c, &rope, &mut scratch, cache)?;
+        let mut pass = Pass {
+            chunk: c,
+            rope: &rope,
+            cache,
+            heads: cfg.heads(),
+            eps: cfg.rms_eps,
+            device: vis.as_ref(),
+            attn_tile: self.attn_tile,
+        };
+        for layer in &self.layers {
+            if layer.on_host_path() {
+                layer.forward_host(x.host()?, &mut pass, &mut scratch)?;
             } else {
                 let t = x.tensor(n, &layer.device)?;
-                x = Hidden::Tensor(self.forward_tensors(
-                    l,
-                    layer,
-                    t,
-                    c,
-                    &rope,
-                    vis.as_ref(),
-                    cache,
-                )?);
+                x = Hidden::Tensor(layer.forward_tensors(t, &mut pass)?);
             }
         }
         if c.wanted.is_empty() {
@@ -647,55 +491,6 @@ impl Qwen3 {
         out.clear();
         out.extend(logits.flatten_all()?.to_vec1::<f32>()?);
         Ok(())
-    }
-
-    /// A layer through candle's tensors: on an accelerator, or on the CPU with some weight
-    /// that our kernels do not run.
-    #[allow(clippy::too_many_arguments)]
-    fn forward_tensors(
-        &self,
-        l: usize,
-        layer: &Layer,
-        x: Tensor,
-        c: &Chunk<'_>,
-        rope: &RopeTable,
-        vis: Option<&DeviceVisibility>,
-        cache: &mut KvCache,
-    ) -> Result<Tensor> {
-        let cfg = &self.cfg;
-        let n = c.tokens.len();
-        let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
-        let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
-        let [q, k, v]: [Tensor; 3] =
-            Linear::forward_shared(&[&layer.attn_q, &layer.attn_k, &layer.attn_v], &h)?
-                .try_into()
-                .map_err(|_| Error::msg("q, k and v"))?;
-        let q = q.reshape((n, nh, hd))?;
-        let k = k.reshape((n, nkv, hd))?;
-        let q = rms_norm(&q, &layer.attn_q_norm, cfg.rms_eps)?;
-        let k = rms_norm(&k, &layer.attn_k_norm, cfg.rms_eps)?;
-        let a = match vis {
-            Some(vis) if l < cache.device_layers() => {
-                let q = device_attention::rope(&q, vis)?;
-                let k = device_attention::rope(&k, vis)?;
-                let v = v.reshape((n, nkv, hd))?;
-                cache.write_device(l, &vis.write_index, &k, &v)?;
-                device_attention::attend(&q, cache.device_layer(l), vis, self.attn_tile)?
-            }
-            _ => {
-                let mut q = q.flatten_all()?.to_vec1::<f32>()?;
-                let mut k = k.flatten_all()?.to_vec1::<f32>()?;
-                let v = v.flatten_all()?.to_vec1::<f32>()?;
-                rope.apply(&mut q, nh);
-                rope.apply(&mut k, nkv);
-                cache.write(l, c.slots, &k, &v);
-                let mut attn = vec![0f32; n * nh * hd];
-                attend(&q, cache, l, &c.visible_in(cache), nh, nkv, hd, &mut attn);
-                Tensor::from_vec(attn, (n, nh * hd), &layer.device)?
-            }
-        };
-        let x = (x + layer.attn_output.forward(&a)?)?;
-        layer.ffn(x, cfg.rms_eps)
     }
 }
 
