@@ -6,8 +6,10 @@
 
 use std::cell::RefCell;
 
+#[cfg(target_arch = "x86_64")]
+use crate::kv::Segment;
 pub use crate::kv::Visible;
-use crate::kv::{HeadView, Kv, KvCache, Segment};
+use crate::kv::{HeadView, Kv, KvCache};
 use crate::model::{expf, Heads};
 
 /// `a · b` with eight partial sums (vectorizes; keeps rounding error low).

@@ -1,6 +1,6 @@
 //! The packed Q4_K/Q5_K/Q6_K/Q8_0 kernels with 256-bit vectors: AVX2 + FMA + F16C, and AVX-VNNI where
 //! the CPU has it (Intel client CPUs since 12th gen, Zen 5). The tiles are the AVX-512
-//! kernels' (see `x86::pack_tile`): a 64-byte line holds four values of 16 rows, read here as
+//! kernels' (see `avx512::pack_tile`): a 64-byte line holds four values of 16 rows, read here as
 //! two halves of 8 rows. `vpdpbusd` (VNNI) multiplies u8 weights by i8 activations and adds
 //! each 4 into an i32; plain AVX2 adds pairs into i16 lanes with `vpmaddubsw` (no saturation:
 //! weights are at most 63, activations at most 127 in magnitude), sums up to 8 of those (Q4_K)
@@ -12,9 +12,10 @@
 
 use std::arch::x86_64::*;
 
-use refusion_convert::gguf::GgmlType;
-
-use super::{prefetch_part, tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
+use super::tiles::{
+    Packed, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q5K_FIFTH_BITS, Q6K_D, Q6K_SCALES, Q8_0_D,
+};
+use super::{prefetch_part, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
 
 /// Activation rows per pass over a run's tiles (16 registers: 4 rows x 2 halves of sums).
 const TILE_MT: usize = 4;
@@ -135,7 +136,7 @@ unsafe fn run_body<const VNNI: bool>(
     let r0 = run * ROWS_PER_UNIT;
     let valid = (w.rows - r0).min(ROWS_PER_UNIT);
     let tiles = w.run_tiles(run);
-    let tile_bytes = tile_lines(w.ty) * 64;
+    let tile_bytes = w.kind.tile_bytes();
     let mut t0 = 0;
     while t0 < m {
         let mt = (m - t0).min(TILE_MT);
@@ -143,14 +144,14 @@ unsafe fn run_body<const VNNI: bool>(
         let mut res = [[_mm256_setzero_ps(); 2]; TILE_MT];
         macro_rules! kernel {
             ($($n:literal)*) => {
-                match (w.ty, mt) {
-                    $((GgmlType::Q4_K, $n) =>
+                match (w.kind, mt) {
+                    $((Packed::Q4K, $n) =>
                         packed_q4k::<$n, VNNI, false>(tiles, tile_bytes, a, kb, &mut res),
-                      (GgmlType::Q5_K, $n) =>
+                      (Packed::Q5K, $n) =>
                         packed_q4k::<$n, VNNI, true>(tiles, tile_bytes, a, kb, &mut res),
-                      (GgmlType::Q6_K, $n) =>
+                      (Packed::Q6K, $n) =>
                         packed_q6k::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),
-                      (_, $n) => packed_q8_0::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),)*
+                      (Packed::Q8_0, $n) => packed_q8_0::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),)*
                     _ => unreachable!("mt is 1..=TILE_MT"),
                 }
             };
@@ -206,15 +207,15 @@ unsafe fn packed_q4k<const N: usize, const VNNI: bool, const FIVE: bool>(
     let widen_each = FIVE && !VNNI;
     for b in 0..kb {
         let tile = tiles.as_ptr().add(b * tile_bytes);
-        let d = [f16x8(tile, 2304), f16x8(tile, 2320)];
-        let dmin = [f16x8(tile, 2336), f16x8(tile, 2352)];
+        let d = [f16x8(tile, Q4K_D), f16x8(tile, Q4K_D + 16)];
+        let dmin = [f16x8(tile, Q4K_DMIN), f16x8(tile, Q4K_DMIN + 16)];
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for c in 0..8 {
             prefetch_part(tile, tile_bytes, c, 8);
             let mut isum = [[_mm256_setzero_si256(); 2]; N];
             for h in 0..2 {
                 let hb = if FIVE {
-                    _mm256_load_si256(tile.add(2368 + 64 * c + 32 * h) as *const _)
+                    _mm256_load_si256(tile.add(Q5K_FIFTH_BITS + 64 * c + 32 * h) as *const _)
                 } else {
                     _mm256_setzero_si256()
                 };
@@ -239,7 +240,7 @@ unsafe fn packed_q4k<const N: usize, const VNNI: bool, const FIVE: bool>(
                 }
             }
             for h in 0..2 {
-                let sc = _mm256_mul_ps(bytes8::<false>(tile, 2048 + 16 * c + 8 * h), d[h]);
+                let sc = _mm256_mul_ps(bytes8::<false>(tile, Q4K_SCALES + 16 * c + 8 * h), d[h]);
                 for t in 0..N {
                     let isum = if widen_each {
                         isum[t][h]
@@ -252,7 +253,7 @@ unsafe fn packed_q4k<const N: usize, const VNNI: bool, const FIVE: bool>(
         }
         for s in 0..8 {
             for h in 0..2 {
-                let mn = _mm256_mul_ps(bytes8::<false>(tile, 2176 + 16 * s + 8 * h), dmin[h]);
+                let mn = _mm256_mul_ps(bytes8::<false>(tile, Q4K_MINS + 16 * s + 8 * h), dmin[h]);
                 for t in 0..N {
                     let a = &acts[t * kb + b];
                     acc[t][h] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a.fsum32[s]), acc[t][h]);
@@ -302,7 +303,7 @@ unsafe fn packed_q8_0<const N: usize, const VNNI: bool>(
                         };
                     }
                 }
-                let d = f16x8(tile, 4096 + 32 * c + 16 * h);
+                let d = f16x8(tile, Q8_0_D + 32 * c + 16 * h);
                 for t in 0..N {
                     acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), d, acc[t][h]);
                 }
@@ -328,13 +329,13 @@ unsafe fn packed_q6k<const N: usize, const VNNI: bool>(
 ) {
     for b in 0..kb {
         let tile = tiles.as_ptr().add(b * tile_bytes);
-        let d = [f16x8(tile, 3328), f16x8(tile, 3344)];
+        let d = [f16x8(tile, Q6K_D), f16x8(tile, Q6K_D + 16)];
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for c in 0..16 {
             prefetch_part(tile, tile_bytes, c, 16);
             for h in 0..2 {
                 let w = q6k_values(tile, c, h);
-                let sc = _mm256_mul_ps(bytes8::<true>(tile, 3072 + 16 * c + 8 * h), d[h]);
+                let sc = _mm256_mul_ps(bytes8::<true>(tile, Q6K_SCALES + 16 * c + 8 * h), d[h]);
                 for t in 0..N {
                     let a = &acts[t * kb + b];
                     // Two pair sums of at most 2 x 63 x 127 per i16 lane at a time.

@@ -27,12 +27,16 @@
 mod acts;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod scalar;
+mod tiles;
 
 use acts::{quantize_rows, stored_at, Q8K};
 use refusion_convert::gguf::GgmlType;
+use tiles::Packed;
 
 /// Asks for part `part` of `parts` of the tile `PREFETCH_TILES` ahead of `tile` (reads past a
 /// run's last tile are harmless: prefetches never fault); the hardware prefetch of the
@@ -238,12 +242,7 @@ static ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::n
 
 /// Whether a `rows x k` weight of type `ty` runs here.
 pub fn supports(ty: GgmlType, k: usize) -> bool {
-    matches!(
-        ty,
-        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0
-    ) && k > 0
-        && k.is_multiple_of(QK)
-        && available()
+    Packed::of(ty).is_some() && k > 0 && k.is_multiple_of(QK) && available()
 }
 
 /// 64 bytes, aligned: the unit packed tiles are stored in.
@@ -260,10 +259,10 @@ struct Line([u8; 64]);
     allow(dead_code)
 )]
 pub struct PackedMatrix {
-    ty: GgmlType,
+    kind: Packed,
     rows: usize,
     k: usize,
-    /// `[run of 16 rows][block]` tiles of `tile_lines(ty)` lines each.
+    /// `[run of 16 rows][block]` tiles of `kind.tile_lines()` lines each.
     tiles: Vec<Line>,
 }
 
@@ -271,9 +270,13 @@ impl PackedMatrix {
     /// Repacks `data`, the file's blocks of a `rows x k` matrix of type `ty` (`supports`
     /// checked by the caller; `data` holds exactly `rows * k / 256` blocks).
     pub fn pack(ty: GgmlType, rows: usize, k: usize, data: &[u8]) -> PackedMatrix {
+        let kind = Packed::of(ty).filter(|_| supports(ty, k));
+        let Some(kind) = kind else {
+            panic!("{ty} {rows}x{k} is not a matrix these kernels run");
+        };
         let kb = k / QK;
-        let bb = block_bytes(ty);
-        assert!(supports(ty, k) && data.len() == rows * kb * bb);
+        let bb = kind.block_bytes();
+        assert!(data.len() == rows * kb * bb);
         let runs = rows.div_ceil(ROWS_PER_UNIT);
         let full = rows / ROWS_PER_UNIT;
         // The rows after the last full run, padded with zero blocks (d = 0) to a run.
@@ -282,13 +285,13 @@ impl PackedMatrix {
             padded.extend_from_slice(&data[full * ROWS_PER_UNIT * kb * bb..]);
             padded.resize(ROWS_PER_UNIT * kb * bb, 0);
         }
-        let lines = tile_lines(ty);
+        let lines = kind.tile_lines();
         let n = runs * kb * lines;
         let mut tiles: Vec<Line> = Vec::with_capacity(n);
         {
             use rayon::prelude::*;
             // AVX-512's packer does Q4_K and Q6_K; the portable one writes the same bytes.
-            let wide = path() == CpuPath::Avx512 && matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K);
+            let wide = path() == CpuPath::Avx512 && matches!(kind, Packed::Q4K | Packed::Q6K);
             // Packed on all cores, into memory not zeroed first: every byte is written.
             tiles.spare_capacity_mut()[..n]
                 .par_chunks_mut(lines)
@@ -310,17 +313,22 @@ impl PackedMatrix {
                         );
                         #[cfg(target_arch = "x86_64")]
                         if wide {
-                            x86::pack_tile(ty, src, r0, b, kb, bytes);
+                            avx512::pack_tile(kind, src, r0, b, kb, bytes);
                             return;
                         }
                         let _ = wide;
-                        scalar::pack_tile(ty, src, r0, b, kb, bytes);
+                        scalar::pack_tile(kind, src, r0, b, kb, bytes);
                     };
                 });
             // SAFETY: the first `n` lines were all initialized above.
             unsafe { tiles.set_len(n) };
         }
-        PackedMatrix { ty, rows, k, tiles }
+        PackedMatrix {
+            kind,
+            rows,
+            k,
+            tiles,
+        }
     }
 
     /// Output rows.
@@ -339,25 +347,10 @@ impl PackedMatrix {
         allow(dead_code)
     )]
     fn run_tiles(&self, run: usize) -> &[u8] {
-        let n = self.k / QK * tile_lines(self.ty);
+        let n = self.k / QK * self.kind.tile_lines();
         let lines = &self.tiles[run * n..(run + 1) * n];
         // SAFETY: `Line` is 64 plain bytes.
         unsafe { std::slice::from_raw_parts(lines.as_ptr() as *const u8, n * 64) }
-    }
-}
-
-/// 64-byte lines per tile (16 rows x 256 values; see `x86::pack_tile` and
-/// `scalar::pack_tile` for the layouts).
-fn tile_lines(ty: GgmlType) -> usize {
-    match ty {
-        // quants 2048, scales and minimums 2 x 128, d and dmin 2 x 32 (f16)
-        GgmlType::Q4_K => 37,
-        // Q4_K's tile, then the fifth bits 512
-        GgmlType::Q5_K => 45,
-        // low bits 2048, high bits 1024, scales 256, d 32 (f16), 32 unused
-        GgmlType::Q6_K => 53,
-        // quants 4096, d of each 32-value chunk 8 x 32 (f16)
-        _ => 68,
     }
 }
 
@@ -435,7 +428,7 @@ unsafe fn run_unit(
 ) {
     match path {
         #[cfg(target_arch = "x86_64")]
-        CpuPath::Avx512 => x86::run(w, acts, m, run, out),
+        CpuPath::Avx512 => avx512::run(w, acts, m, run, out),
         #[cfg(target_arch = "x86_64")]
         CpuPath::AvxVnni => avx2::run_vnni(w, acts, m, run, out),
         #[cfg(target_arch = "x86_64")]
@@ -465,402 +458,6 @@ fn q4k_scales(blk: &[u8]) -> (u64, u64) {
         s_lo as u64 | (s_hi as u64) << 32,
         m_lo as u64 | (m_hi as u64) << 32,
     )
-}
-
-/// The file's bytes per 256 values (Q8_0: eight 34-byte blocks).
-fn block_bytes(ty: GgmlType) -> usize {
-    match ty {
-        GgmlType::Q4_K => 144,
-        GgmlType::Q5_K => 176,
-        GgmlType::Q6_K => 210,
-        GgmlType::Q8_0 => 8 * 34,
-        _ => 0,
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::{
-        block_bytes, prefetch_part, stored_at, tile_lines, PackedMatrix, Q8K, QK, ROWS_PER_UNIT,
-    };
-    use refusion_convert::gguf::GgmlType;
-    use std::arch::x86_64::*;
-
-    /// Activation rows per pass over a run's tiles.
-    const TILE_MT: usize = 8;
-
-    /// Run `run` of `w` (16 rows, the last one padded) against every activation row, into
-    /// `out` (`m x w.rows`).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn run(
-        w: &PackedMatrix,
-        acts: &[Q8K],
-        m: usize,
-        run: usize,
-        out: &mut [f32],
-    ) {
-        let kb = w.k / QK;
-        let r0 = run * ROWS_PER_UNIT;
-        let valid = (w.rows - r0).min(ROWS_PER_UNIT);
-        let tiles = w.run_tiles(run);
-        let tile_bytes = tile_lines(w.ty) * 64;
-        let mut t0 = 0;
-        while t0 < m {
-            let mt = (m - t0).min(TILE_MT);
-            let a = &acts[t0 * kb..(t0 + mt) * kb];
-            let mut res = [_mm512_setzero_ps(); TILE_MT];
-            macro_rules! dot {
-                ($($n:literal)*) => {
-                    match (w.ty, mt) {
-                        $((GgmlType::Q4_K, $n) =>
-                            packed_q4k::<$n, false>(tiles, tile_bytes, a, kb, &mut res),
-                          (GgmlType::Q5_K, $n) =>
-                            packed_q4k::<$n, true>(tiles, tile_bytes, a, kb, &mut res),
-                          (GgmlType::Q6_K, $n) =>
-                            packed_q6k::<$n>(tiles, tile_bytes, a, kb, &mut res),
-                          (_, $n) => packed_q8_0::<$n>(tiles, tile_bytes, a, kb, &mut res),)*
-                        _ => unreachable!("mt is 1..=TILE_MT"),
-                    }
-                };
-            }
-            dot!(1 2 3 4 5 6 7 8);
-            for (t, v) in res[..mt].iter().enumerate() {
-                let o = out.as_mut_ptr().add((t0 + t) * w.rows + r0);
-                if valid == ROWS_PER_UNIT {
-                    _mm512_storeu_ps(o, *v);
-                } else {
-                    _mm512_mask_storeu_ps(o, (1u16 << valid) - 1, *v);
-                }
-            }
-            t0 += mt;
-        }
-    }
-
-    /// A Q4_K block's quants as four 64-byte runs in [`Q8K`]'s stored order.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn q4k_quants(blk: &[u8]) -> [__m512i; 4] {
-        let nib = _mm512_set1_epi8(0x0f);
-        let qp = blk.as_ptr().add(16);
-        let q01 = _mm512_loadu_si512(qp as *const _);
-        let q23 = _mm512_loadu_si512(qp.add(64) as *const _);
-        [
-            _mm512_and_si512(q01, nib),
-            _mm512_and_si512(_mm512_srli_epi16::<4>(q01), nib),
-            _mm512_and_si512(q23, nib),
-            _mm512_and_si512(_mm512_srli_epi16::<4>(q23), nib),
-        ]
-    }
-
-    /// A Q6_K block's quants (0..64, stored +32) as four 64-byte runs in [`Q8K`]'s order.
-    ///
-    /// Per half-block of 128 values, `ql[0..32]` holds values 0..32 (low nibbles) and 64..96
-    /// (high), `ql[32..64]` values 32..64 and 96..128, and `qh[j]` their top two bits.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn q6k_quants(blk: &[u8]) -> [__m512i; 4] {
-        let nib = _mm512_set1_epi8(0x0f);
-        let two = _mm512_set1_epi8(0x03);
-        let p = blk.as_ptr();
-        let mut w = [_mm512_setzero_si512(); 4];
-        for h in 0..2 {
-            let qh = _mm256_loadu_si256(p.add(128 + 32 * h) as *const _);
-            let qh =
-                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qh), _mm256_srli_epi16::<4>(qh));
-            for s in 0..2 {
-                let ql = _mm256_loadu_si256(p.add(64 * h + 32 * s) as *const _);
-                let ql =
-                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ql), _mm256_srli_epi16::<4>(ql));
-                let hi = match s {
-                    0 => _mm512_and_si512(qh, two),
-                    _ => _mm512_and_si512(_mm512_srli_epi16::<2>(qh), two),
-                };
-                w[2 * h + s] =
-                    _mm512_or_si512(_mm512_and_si512(ql, nib), _mm512_slli_epi16::<4>(hi));
-            }
-        }
-        w
-    }
-
-    /// Transposes 16 rows of 16 dwords in place (row `i` becomes column `i`).
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn transpose16(r: &mut [__m512i; 16]) {
-        let mut t = [_mm512_setzero_si512(); 16];
-        for i in 0..8 {
-            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-        }
-        let mut u = [_mm512_setzero_si512(); 16];
-        for i in 0..4 {
-            u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-            u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-            u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-            u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-        }
-        // u[4i + k], 128-bit lane L: rows 4i..4i+4 of column 4L + k.
-        for k in 0..4 {
-            let v1 = _mm512_shuffle_i32x4::<0x44>(u[k], u[4 + k]);
-            let v2 = _mm512_shuffle_i32x4::<0xee>(u[k], u[4 + k]);
-            let v3 = _mm512_shuffle_i32x4::<0x44>(u[8 + k], u[12 + k]);
-            let v4 = _mm512_shuffle_i32x4::<0xee>(u[8 + k], u[12 + k]);
-            r[k] = _mm512_shuffle_i32x4::<0x88>(v1, v3);
-            r[4 + k] = _mm512_shuffle_i32x4::<0xdd>(v1, v3);
-            r[8 + k] = _mm512_shuffle_i32x4::<0x88>(v2, v4);
-            r[12 + k] = _mm512_shuffle_i32x4::<0xdd>(v2, v4);
-        }
-    }
-
-    /// Packs block `b` of rows `r0..r0+16` of the file's blocks `data` into `tile`.
-    ///
-    /// Q4_K: `[0, 2048)` quants, 64 bytes per pair of four-value groups `(2p, 2p+1)` (in
-    /// [`Q8K`]'s stored order): byte `4r + j` is row `r`'s value `8p + j` in its low nibble and
-    /// `8p + 4 + j` in its high one; `[2048, 2176)` the 6-bit scale of each stored 32-value
-    /// chunk, `[c][row]`; `[2176, 2304)` the minimums per natural sub-block, `[s][row]`;
-    /// then `d` and `dmin` as 16 f16 each (as in the file).
-    /// Q6_K: `[0, 2048)` the low four bits as Q4_K's quants; `[2048, 3072)` the top two bits,
-    /// 64 bytes per four groups `4q..4q+4` (group `4q + i` in bits `2i, 2i+1`); `[3072, 3328)`
-    /// the i8 scale of each stored 16-value chunk, `[c][row]`; then `d` as 16 f16.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn pack_tile(
-        ty: GgmlType,
-        data: &[u8],
-        r0: usize,
-        b: usize,
-        kb: usize,
-        tile: &mut [u8],
-    ) {
-        let bb = block_bytes(ty);
-        let mut quants = [[_mm512_setzero_si512(); 4]; 16];
-        for (r, q) in quants.iter_mut().enumerate() {
-            let blk = &data[((r0 + r) * kb + b) * bb..][..bb];
-            *q = match ty {
-                GgmlType::Q4_K => q4k_quants(blk),
-                _ => q6k_quants(blk),
-            };
-            super::scalar::pack_row_scales(ty, blk, r, tile);
-        }
-        let nib = _mm512_set1_epi8(0x0f);
-        let two = _mm512_set1_epi8(0x03);
-        let out = tile.as_mut_ptr();
-        for j in 0..4 {
-            // Groups 16j .. 16j + 16, each 16 rows x 4 values.
-            let mut g = [_mm512_setzero_si512(); 16];
-            for (r, q) in quants.iter().enumerate() {
-                g[r] = q[j];
-            }
-            transpose16(&mut g);
-            for i in 0..8 {
-                let lo = _mm512_and_si512(g[2 * i], nib);
-                let hi = _mm512_and_si512(g[2 * i + 1], nib);
-                let v = _mm512_or_si512(lo, _mm512_slli_epi16::<4>(hi));
-                _mm512_storeu_si512(out.add(64 * (8 * j + i)) as *mut _, v);
-            }
-            if ty == GgmlType::Q6_K {
-                for q in 0..4 {
-                    let top =
-                        |i: usize| _mm512_and_si512(_mm512_srli_epi16::<4>(g[4 * q + i]), two);
-                    let h = _mm512_or_si512(
-                        _mm512_or_si512(top(0), _mm512_slli_epi16::<2>(top(1))),
-                        _mm512_or_si512(
-                            _mm512_slli_epi16::<4>(top(2)),
-                            _mm512_slli_epi16::<6>(top(3)),
-                        ),
-                    );
-                    _mm512_storeu_si512(out.add(2048 + 64 * (4 * j + q)) as *mut _, h);
-                }
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn bcast(a: &Q8K, at: usize) -> __m512i {
-        _mm512_set1_epi32(std::ptr::read_unaligned(a.qs.as_ptr().add(at) as *const i32))
-    }
-
-    #[inline(always)]
-    /// 16 f16 scales at `at` in a tile, as f32.
-    unsafe fn f16x16(tile: *const u8, at: usize) -> __m512 {
-        _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(at) as *const _))
-    }
-
-    /// Bit `e` of each byte of `hb` moved to bit 4 (a Q5_K value's fifth bit), the others
-    /// cleared (16-bit shifts: the bit never crosses a byte).
-    #[inline(always)]
-    unsafe fn fifth_bit(hb: __m512i, e: usize) -> __m512i {
-        let v = match e {
-            0 => _mm512_slli_epi16::<4>(hb),
-            1 => _mm512_slli_epi16::<3>(hb),
-            2 => _mm512_slli_epi16::<2>(hb),
-            3 => _mm512_slli_epi16::<1>(hb),
-            4 => hb,
-            5 => _mm512_srli_epi16::<1>(hb),
-            6 => _mm512_srli_epi16::<2>(hb),
-            _ => _mm512_srli_epi16::<3>(hb),
-        };
-        _mm512_and_si512(v, _mm512_set1_epi8(0x10))
-    }
-
-    /// 16 packed Q4_K rows (Q5_K when `FIVE`: the fifth bits from lines 37..45) dotted with
-    /// `N` activation rows, accumulated into `res`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn packed_q4k<const N: usize, const FIVE: bool>(
-        tiles: &[u8],
-        tile_bytes: usize,
-        acts: &[Q8K],
-        kb: usize,
-        res: &mut [__m512; TILE_MT],
-    ) {
-        let nib = _mm512_set1_epi8(0x0f);
-        for b in 0..kb {
-            let tile = tiles.as_ptr().add(b * tile_bytes);
-            let d = f16x16(tile, 2304);
-            let dmin = f16x16(tile, 2336);
-            let mut acc = [_mm512_setzero_ps(); N];
-            for c in 0..8 {
-                prefetch_part(tile, tile_bytes, c, 8);
-                let hb = if FIVE {
-                    _mm512_load_si512(tile.add(2368 + 64 * c) as *const _)
-                } else {
-                    _mm512_setzero_si512()
-                };
-                let mut isum = [_mm512_setzero_si512(); N];
-                for i in 0..4 {
-                    let p = 4 * c + i;
-                    let q = _mm512_load_si512(tile.add(64 * p) as *const _);
-                    let mut lo = _mm512_and_si512(q, nib);
-                    let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), nib);
-                    if FIVE {
-                        lo = _mm512_or_si512(lo, fifth_bit(hb, 2 * i));
-                        hi = _mm512_or_si512(hi, fifth_bit(hb, 2 * i + 1));
-                    }
-                    for t in 0..N {
-                        let a = &acts[t * kb + b];
-                        isum[t] = _mm512_dpbusd_epi32(isum[t], lo, bcast(a, 8 * p));
-                        isum[t] = _mm512_dpbusd_epi32(isum[t], hi, bcast(a, 8 * p + 4));
-                    }
-                }
-                let sc = _mm_loadu_si128(tile.add(2048 + 16 * c) as *const _);
-                let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)), d);
-                for t in 0..N {
-                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), sc, acc[t]);
-                }
-            }
-            for s in 0..8 {
-                let mn = _mm_loadu_si128(tile.add(2176 + 16 * s) as *const _);
-                let mn = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)), dmin);
-                for t in 0..N {
-                    let a = &acts[t * kb + b];
-                    acc[t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.fsum32[s]), acc[t]);
-                }
-            }
-            for t in 0..N {
-                res[t] = _mm512_fmadd_ps(acc[t], _mm512_set1_ps(acts[t * kb + b].d), res[t]);
-            }
-        }
-    }
-
-    /// 16 packed Q8_0 rows dotted with `N` activation rows, accumulated into `res`.
-    /// `vpdpbusd` takes unsigned weights: each is offset by 128 (`xor 0x80`) and 128 times
-    /// the chunk's activation sum taken off again, exactly (integers below 2^24 as f32).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn packed_q8_0<const N: usize>(
-        tiles: &[u8],
-        tile_bytes: usize,
-        acts: &[Q8K],
-        kb: usize,
-        res: &mut [__m512; TILE_MT],
-    ) {
-        let flip = _mm512_set1_epi8(-128);
-        for b in 0..kb {
-            let tile = tiles.as_ptr().add(b * tile_bytes);
-            let mut acc = [_mm512_setzero_ps(); N];
-            for c in 0..8 {
-                prefetch_part(tile, tile_bytes, c, 8);
-                let mut isum = [_mm512_setzero_si512(); N];
-                for p in 8 * c..8 * c + 8 {
-                    let q = _mm512_xor_si512(_mm512_load_si512(tile.add(64 * p) as *const _), flip);
-                    for t in 0..N {
-                        let a = &acts[t * kb + b];
-                        isum[t] = _mm512_dpbusd_epi32(isum[t], q, bcast(a, 4 * p));
-                    }
-                }
-                let d = f16x16(tile, 4096 + 32 * c);
-                let n = stored_at(32 * c) / 32;
-                for t in 0..N {
-                    let a = &acts[t * kb + b];
-                    let offset = _mm512_set1_ps(128.0 * a.fsum32[n]);
-                    let isum = _mm512_sub_ps(_mm512_cvtepi32_ps(isum[t]), offset);
-                    acc[t] = _mm512_fmadd_ps(isum, d, acc[t]);
-                }
-            }
-            for t in 0..N {
-                res[t] = _mm512_fmadd_ps(acc[t], _mm512_set1_ps(acts[t * kb + b].d), res[t]);
-            }
-        }
-    }
-
-    /// 16 packed Q6_K rows dotted with `N` activation rows, accumulated into `res`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn packed_q6k<const N: usize>(
-        tiles: &[u8],
-        tile_bytes: usize,
-        acts: &[Q8K],
-        kb: usize,
-        res: &mut [__m512; TILE_MT],
-    ) {
-        let nib = _mm512_set1_epi8(0x0f);
-        let two = _mm512_set1_epi8(0x03);
-        for b in 0..kb {
-            let tile = tiles.as_ptr().add(b * tile_bytes);
-            let d = f16x16(tile, 3328);
-            let mut acc = [_mm512_setzero_ps(); N];
-            for c in 0..16 {
-                prefetch_part(tile, tile_bytes, c, 16);
-                let l0 = _mm512_load_si512(tile.add(64 * (2 * c)) as *const _);
-                let l1 = _mm512_load_si512(tile.add(64 * (2 * c + 1)) as *const _);
-                let h = _mm512_load_si512(tile.add(2048 + 64 * c) as *const _);
-                let h1 = _mm512_srli_epi16::<2>(h);
-                let h2 = _mm512_srli_epi16::<4>(h);
-                let h3 = _mm512_srli_epi16::<6>(h);
-                let w = [
-                    _mm512_or_si512(
-                        _mm512_and_si512(l0, nib),
-                        _mm512_slli_epi16::<4>(_mm512_and_si512(h, two)),
-                    ),
-                    _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(l0), nib),
-                        _mm512_slli_epi16::<4>(_mm512_and_si512(h1, two)),
-                    ),
-                    _mm512_or_si512(
-                        _mm512_and_si512(l1, nib),
-                        _mm512_slli_epi16::<4>(_mm512_and_si512(h2, two)),
-                    ),
-                    _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(l1), nib),
-                        _mm512_slli_epi16::<4>(_mm512_and_si512(h3, two)),
-                    ),
-                ];
-                let sc = _mm_loadu_si128(tile.add(3072 + 16 * c) as *const _);
-                let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), d);
-                for t in 0..N {
-                    let a = &acts[t * kb + b];
-                    // The sum starts at the stored values' offset of 32, taken off exactly.
-                    let mut isum = _mm512_set1_epi32(a.q6k_start[c]);
-                    for (i, w) in w.iter().enumerate() {
-                        isum = _mm512_dpbusd_epi32(isum, *w, bcast(a, 16 * c + 4 * i));
-                    }
-                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[t]);
-                }
-            }
-            for t in 0..N {
-                res[t] = _mm512_fmadd_ps(acc[t], _mm512_set1_ps(acts[t * kb + b].d), res[t]);
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -899,7 +496,7 @@ mod tests {
         let mut seed = 7u64 + rows as u64 * 31 + m as u64;
         let wf: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
         let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed) * 3.0).collect();
-        let mut data = vec![0u8; rows * k / QK * block_bytes(ty)];
+        let mut data = vec![0u8; rows * k / QK * Packed::of(ty).unwrap().block_bytes()];
         quant::quantize(ty, &wf, k, &mut data);
         let mut wd = vec![0f32; rows * k];
         assert!(quant::dequantize(ty, &data, &mut wd));
@@ -1002,14 +599,16 @@ mod tests {
         // Q5_K and Q8_0 have only the portable packer.
         for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
             let wf: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
-            let mut data = vec![0u8; rows * k / QK * block_bytes(ty)];
+            let mut data = vec![0u8; rows * k / QK * Packed::of(ty).unwrap().block_bytes()];
             quant::quantize(ty, &wf, k, &mut data);
-            let lines = tile_lines(ty) * 64;
+            let lines = Packed::of(ty).unwrap().tile_bytes();
             for (r0, b) in [(0, 0), (16, 1)] {
                 let (mut wide, mut portable) = (vec![0u8; lines], vec![1u8; lines]);
                 // SAFETY: the CPU has AVX-512 (checked above).
-                unsafe { x86::pack_tile(ty, &data, r0, b, k / QK, &mut wide) };
-                scalar::pack_tile(ty, &data, r0, b, k / QK, &mut portable);
+                unsafe {
+                    avx512::pack_tile(Packed::of(ty).unwrap(), &data, r0, b, k / QK, &mut wide)
+                };
+                scalar::pack_tile(Packed::of(ty).unwrap(), &data, r0, b, k / QK, &mut portable);
                 assert!(wide == portable, "{ty} tile ({r0}, {b}) differs");
             }
         }
@@ -1051,7 +650,7 @@ mod tests {
         let x: Vec<f32> = (0..3 * k).map(|_| lcg(&mut seed)).collect();
         let mk = |ty: GgmlType, rows: usize, seed: &mut u64| {
             let wf: Vec<f32> = (0..rows * k).map(|_| lcg(seed)).collect();
-            let mut data = vec![0u8; rows * k / QK * block_bytes(ty)];
+            let mut data = vec![0u8; rows * k / QK * Packed::of(ty).unwrap().block_bytes()];
             quant::quantize(ty, &wf, k, &mut data);
             data
         };
@@ -1080,7 +679,7 @@ mod tests {
         for ty in TYPES {
             let mut seed = 5u64;
             let wf: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
-            let mut data = vec![0u8; rows * k / QK * block_bytes(ty)];
+            let mut data = vec![0u8; rows * k / QK * Packed::of(ty).unwrap().block_bytes()];
             quant::quantize(ty, &wf, k, &mut data);
             let w = PackedMatrix::pack(ty, rows, k, &data);
             let x: Vec<f32> = (0..17 * k).map(|_| lcg(&mut seed) * 2.0).collect();

@@ -21,9 +21,8 @@
 use std::arch::aarch64::*;
 use std::arch::asm;
 
-use refusion_convert::gguf::GgmlType;
-
-use super::{tile_lines, PackedMatrix, PREFETCH_TILES, Q8K, QK, ROWS_PER_UNIT};
+use super::tiles::{Packed, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q6K_D, Q6K_SCALES, Q8_0_D};
+use super::{PackedMatrix, PREFETCH_TILES, Q8K, QK, ROWS_PER_UNIT};
 
 /// Activation rows per pass over a run's tiles.
 const TILE_MT: usize = 4;
@@ -180,7 +179,7 @@ unsafe fn run_body<D: Dot>(w: &PackedMatrix, acts: &[Q8K], m: usize, run: usize,
     let r0 = run * ROWS_PER_UNIT;
     let valid = (w.rows - r0).min(ROWS_PER_UNIT);
     let tiles = w.run_tiles(run);
-    let tile_bytes = tile_lines(w.ty) * 64;
+    let tile_bytes = w.kind.tile_bytes();
     let mut t0 = 0;
     while t0 < m {
         let mt = (m - t0).min(TILE_MT);
@@ -188,14 +187,14 @@ unsafe fn run_body<D: Dot>(w: &PackedMatrix, acts: &[Q8K], m: usize, run: usize,
         let mut res: Res = [[vdupq_n_f32(0.0); 4]; TILE_MT];
         macro_rules! kernel {
             ($($n:literal)*) => {
-                match (w.ty, mt) {
-                    $((GgmlType::Q4_K, $n) =>
+                match (w.kind, mt) {
+                    $((Packed::Q4K, $n) =>
                         packed_q4k::<$n, D, false>(tiles, tile_bytes, a, kb, &mut res),
-                      (GgmlType::Q5_K, $n) =>
+                      (Packed::Q5K, $n) =>
                         packed_q4k::<$n, D, true>(tiles, tile_bytes, a, kb, &mut res),
-                      (GgmlType::Q6_K, $n) =>
+                      (Packed::Q6K, $n) =>
                         packed_q6k::<$n, D>(tiles, tile_bytes, a, kb, &mut res),
-                      (_, $n) => packed_q8_0::<$n, D>(tiles, tile_bytes, a, kb, &mut res),)*
+                      (Packed::Q8_0, $n) => packed_q8_0::<$n, D>(tiles, tile_bytes, a, kb, &mut res),)*
                     _ => unreachable!("mt is 1..=TILE_MT"),
                 }
             };
@@ -229,8 +228,8 @@ unsafe fn packed_q4k<const N: usize, D: Dot, const FIVE: bool>(
         let tile = tiles.as_ptr().add(b * tile_bytes);
         for q in 0..4 {
             prefetch_part(tile, tile_bytes, q, 4);
-            let d = f16x4(tile.add(2304 + 8 * q));
-            let dmin = f16x4(tile.add(2336 + 8 * q));
+            let d = f16x4(tile.add(Q4K_D + 8 * q));
+            let dmin = f16x4(tile.add(Q4K_DMIN + 8 * q));
             let mut acc = [vdupq_n_f32(0.0); N];
             for c in 0..8 {
                 let hb = if FIVE {
@@ -261,13 +260,13 @@ unsafe fn packed_q4k<const N: usize, D: Dot, const FIVE: bool>(
                         }
                     }
                 }
-                let sc = vmulq_f32(bytes4::<false>(tile.add(2048 + 16 * c + 4 * q)), d);
+                let sc = vmulq_f32(bytes4::<false>(tile.add(Q4K_SCALES + 16 * c + 4 * q)), d);
                 for t in 0..N {
                     acc[t] = vfmaq_f32(acc[t], vcvtq_f32_s32(isum[t]), sc);
                 }
             }
             for s in 0..8 {
-                let mn = vmulq_f32(bytes4::<false>(tile.add(2176 + 16 * s + 4 * q)), dmin);
+                let mn = vmulq_f32(bytes4::<false>(tile.add(Q4K_MINS + 16 * s + 4 * q)), dmin);
                 for t in 0..N {
                     let a = &acts[t * kb + b];
                     acc[t] = vfmsq_f32(acc[t], mn, vdupq_n_f32(a.fsum32[s]));
@@ -296,7 +295,7 @@ unsafe fn packed_q6k<const N: usize, D: Dot>(
         let tile = tiles.as_ptr().add(b * tile_bytes);
         for q in 0..4 {
             prefetch_part(tile, tile_bytes, q, 4);
-            let d = f16x4(tile.add(3328 + 8 * q));
+            let d = f16x4(tile.add(Q6K_D + 8 * q));
             let mut acc = [vdupq_n_f32(0.0); N];
             for c in 0..16 {
                 let (l0, l1) = (quarter(tile, 2 * c, q), quarter(tile, 2 * c + 1, q));
@@ -309,7 +308,7 @@ unsafe fn packed_q6k<const N: usize, D: Dot>(
                     vorrq_u8(vshrq_n_u8::<4>(l1), top(vshrq_n_u8::<6>(h))),
                 ]
                 .map(|v| vreinterpretq_s8_u8(v));
-                let sc = vmulq_f32(bytes4::<true>(tile.add(3072 + 16 * c + 4 * q)), d);
+                let sc = vmulq_f32(bytes4::<true>(tile.add(Q6K_SCALES + 16 * c + 4 * q)), d);
                 for t in 0..N {
                     let a = acts16(&acts[t * kb + b], 16 * c);
                     // The sum starts at the stored values' offset of 32, taken off exactly.
@@ -357,7 +356,7 @@ unsafe fn packed_q8_0<const N: usize, D: Dot>(
                         }
                     }
                 }
-                let d = f16x4(tile.add(4096 + 32 * c + 8 * q));
+                let d = f16x4(tile.add(Q8_0_D + 32 * c + 8 * q));
                 for t in 0..N {
                     acc[t] = vfmaq_f32(acc[t], vcvtq_f32_s32(isum[t]), d);
                 }

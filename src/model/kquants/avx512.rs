@@ -1,0 +1,378 @@
+//! The AVX-512 VNNI kernels (512-bit `vpdpbusd`: one line of a tile, 16 rows, per
+//! instruction) and the AVX-512 packer of Q4_K and Q6_K tiles (the portable packer,
+//! `scalar::pack_tile`, writes the same bytes).
+
+use super::tiles::{
+    Packed, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q5K_FIFTH_BITS, Q6K_D, Q6K_HIGH, Q6K_SCALES,
+    Q8_0_D,
+};
+use super::{prefetch_part, stored_at, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
+use std::arch::x86_64::*;
+
+/// Activation rows per pass over a run's tiles.
+const TILE_MT: usize = 8;
+
+/// Run `run` of `w` (16 rows, the last one padded) against every activation row, into
+/// `out` (`m x w.rows`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn run(w: &PackedMatrix, acts: &[Q8K], m: usize, run: usize, out: &mut [f32]) {
+    let kb = w.k / QK;
+    let r0 = run * ROWS_PER_UNIT;
+    let valid = (w.rows - r0).min(ROWS_PER_UNIT);
+    let tiles = w.run_tiles(run);
+    let tile_bytes = w.kind.tile_bytes();
+    let mut t0 = 0;
+    while t0 < m {
+        let mt = (m - t0).min(TILE_MT);
+        let a = &acts[t0 * kb..(t0 + mt) * kb];
+        let mut res = [_mm512_setzero_ps(); TILE_MT];
+        macro_rules! dot {
+            ($($n:literal)*) => {
+                match (w.kind, mt) {
+                    $((Packed::Q4K, $n) =>
+                        packed_q4k::<$n, false>(tiles, tile_bytes, a, kb, &mut res),
+                      (Packed::Q5K, $n) =>
+                        packed_q4k::<$n, true>(tiles, tile_bytes, a, kb, &mut res),
+                      (Packed::Q6K, $n) =>
+                        packed_q6k::<$n>(tiles, tile_bytes, a, kb, &mut res),
+                      (Packed::Q8_0, $n) => packed_q8_0::<$n>(tiles, tile_bytes, a, kb, &mut res),)*
+                    _ => unreachable!("mt is 1..=TILE_MT"),
+                }
+            };
+        }
+        dot!(1 2 3 4 5 6 7 8);
+        for (t, v) in res[..mt].iter().enumerate() {
+            let o = out.as_mut_ptr().add((t0 + t) * w.rows + r0);
+            if valid == ROWS_PER_UNIT {
+                _mm512_storeu_ps(o, *v);
+            } else {
+                _mm512_mask_storeu_ps(o, (1u16 << valid) - 1, *v);
+            }
+        }
+        t0 += mt;
+    }
+}
+
+/// A Q4_K block's quants as four 64-byte runs in [`Q8K`]'s stored order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn q4k_quants(blk: &[u8]) -> [__m512i; 4] {
+    let nib = _mm512_set1_epi8(0x0f);
+    let qp = blk.as_ptr().add(16);
+    let q01 = _mm512_loadu_si512(qp as *const _);
+    let q23 = _mm512_loadu_si512(qp.add(64) as *const _);
+    [
+        _mm512_and_si512(q01, nib),
+        _mm512_and_si512(_mm512_srli_epi16::<4>(q01), nib),
+        _mm512_and_si512(q23, nib),
+        _mm512_and_si512(_mm512_srli_epi16::<4>(q23), nib),
+    ]
+}
+
+/// A Q6_K block's quants (0..64, stored +32) as four 64-byte runs in [`Q8K`]'s order.
+///
+/// Per half-block of 128 values, `ql[0..32]` holds values 0..32 (low nibbles) and 64..96
+/// (high), `ql[32..64]` values 32..64 and 96..128, and `qh[j]` their top two bits.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn q6k_quants(blk: &[u8]) -> [__m512i; 4] {
+    let nib = _mm512_set1_epi8(0x0f);
+    let two = _mm512_set1_epi8(0x03);
+    let p = blk.as_ptr();
+    let mut w = [_mm512_setzero_si512(); 4];
+    for h in 0..2 {
+        let qh = _mm256_loadu_si256(p.add(128 + 32 * h) as *const _);
+        let qh = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qh), _mm256_srli_epi16::<4>(qh));
+        for s in 0..2 {
+            let ql = _mm256_loadu_si256(p.add(64 * h + 32 * s) as *const _);
+            let ql =
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ql), _mm256_srli_epi16::<4>(ql));
+            let hi = match s {
+                0 => _mm512_and_si512(qh, two),
+                _ => _mm512_and_si512(_mm512_srli_epi16::<2>(qh), two),
+            };
+            w[2 * h + s] = _mm512_or_si512(_mm512_and_si512(ql, nib), _mm512_slli_epi16::<4>(hi));
+        }
+    }
+    w
+}
+
+/// Transposes 16 rows of 16 dwords in place (row `i` becomes column `i`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose16(r: &mut [__m512i; 16]) {
+    let mut t = [_mm512_setzero_si512(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    let mut u = [_mm512_setzero_si512(); 16];
+    for i in 0..4 {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    // u[4i + k], 128-bit lane L: rows 4i..4i+4 of column 4L + k.
+    for k in 0..4 {
+        let v1 = _mm512_shuffle_i32x4::<0x44>(u[k], u[4 + k]);
+        let v2 = _mm512_shuffle_i32x4::<0xee>(u[k], u[4 + k]);
+        let v3 = _mm512_shuffle_i32x4::<0x44>(u[8 + k], u[12 + k]);
+        let v4 = _mm512_shuffle_i32x4::<0xee>(u[8 + k], u[12 + k]);
+        r[k] = _mm512_shuffle_i32x4::<0x88>(v1, v3);
+        r[4 + k] = _mm512_shuffle_i32x4::<0xdd>(v1, v3);
+        r[8 + k] = _mm512_shuffle_i32x4::<0x88>(v2, v4);
+        r[12 + k] = _mm512_shuffle_i32x4::<0xdd>(v2, v4);
+    }
+}
+
+/// Packs block `b` of rows `r0..r0+16` of the file's blocks `data` into `tile`.
+///
+/// Q4_K: `[0, 2048)` quants, 64 bytes per pair of four-value groups `(2p, 2p+1)` (in
+/// [`Q8K`]'s stored order): byte `4r + j` is row `r`'s value `8p + j` in its low nibble and
+/// `8p + 4 + j` in its high one; `[2048, 2176)` the 6-bit scale of each stored 32-value
+/// chunk, `[c][row]`; `[2176, 2304)` the minimums per natural sub-block, `[s][row]`;
+/// then `d` and `dmin` as 16 f16 each (as in the file).
+/// Q6_K: `[0, 2048)` the low four bits as Q4_K's quants; `[2048, 3072)` the top two bits,
+/// 64 bytes per four groups `4q..4q+4` (group `4q + i` in bits `2i, 2i+1`); `[3072, 3328)`
+/// the i8 scale of each stored 16-value chunk, `[c][row]`; then `d` as 16 f16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn pack_tile(
+    kind: Packed,
+    data: &[u8],
+    r0: usize,
+    b: usize,
+    kb: usize,
+    tile: &mut [u8],
+) {
+    let bb = kind.block_bytes();
+    let mut quants = [[_mm512_setzero_si512(); 4]; 16];
+    for (r, q) in quants.iter_mut().enumerate() {
+        let blk = &data[((r0 + r) * kb + b) * bb..][..bb];
+        *q = match kind {
+            Packed::Q4K => q4k_quants(blk),
+            Packed::Q6K => q6k_quants(blk),
+            Packed::Q5K | Packed::Q8_0 => unreachable!("packed by the portable packer"),
+        };
+        super::scalar::pack_row_scales(kind, blk, r, tile);
+    }
+    let nib = _mm512_set1_epi8(0x0f);
+    let two = _mm512_set1_epi8(0x03);
+    let out = tile.as_mut_ptr();
+    for j in 0..4 {
+        // Groups 16j .. 16j + 16, each 16 rows x 4 values.
+        let mut g = [_mm512_setzero_si512(); 16];
+        for (r, q) in quants.iter().enumerate() {
+            g[r] = q[j];
+        }
+        transpose16(&mut g);
+        for i in 0..8 {
+            let lo = _mm512_and_si512(g[2 * i], nib);
+            let hi = _mm512_and_si512(g[2 * i + 1], nib);
+            let v = _mm512_or_si512(lo, _mm512_slli_epi16::<4>(hi));
+            _mm512_storeu_si512(out.add(64 * (8 * j + i)) as *mut _, v);
+        }
+        if kind == Packed::Q6K {
+            for q in 0..4 {
+                let top = |i: usize| _mm512_and_si512(_mm512_srli_epi16::<4>(g[4 * q + i]), two);
+                let h = _mm512_or_si512(
+                    _mm512_or_si512(top(0), _mm512_slli_epi16::<2>(top(1))),
+                    _mm512_or_si512(
+                        _mm512_slli_epi16::<4>(top(2)),
+                        _mm512_slli_epi16::<6>(top(3)),
+                    ),
+                );
+                _mm512_storeu_si512(out.add(Q6K_HIGH + 64 * (4 * j + q)) as *mut _, h);
+            }
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn bcast(a: &Q8K, at: usize) -> __m512i {
+    _mm512_set1_epi32(std::ptr::read_unaligned(a.qs.as_ptr().add(at) as *const i32))
+}
+
+#[inline(always)]
+/// 16 f16 scales at `at` in a tile, as f32.
+unsafe fn f16x16(tile: *const u8, at: usize) -> __m512 {
+    _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(at) as *const _))
+}
+
+/// Bit `e` of each byte of `hb` moved to bit 4 (a Q5_K value's fifth bit), the others
+/// cleared (16-bit shifts: the bit never crosses a byte).
+#[inline(always)]
+unsafe fn fifth_bit(hb: __m512i, e: usize) -> __m512i {
+    let v = match e {
+        0 => _mm512_slli_epi16::<4>(hb),
+        1 => _mm512_slli_epi16::<3>(hb),
+        2 => _mm512_slli_epi16::<2>(hb),
+        3 => _mm512_slli_epi16::<1>(hb),
+        4 => hb,
+        5 => _mm512_srli_epi16::<1>(hb),
+        6 => _mm512_srli_epi16::<2>(hb),
+        _ => _mm512_srli_epi16::<3>(hb),
+    };
+    _mm512_and_si512(v, _mm512_set1_epi8(0x10))
+}
+
+/// 16 packed Q4_K rows (Q5_K when `FIVE`: the fifth bits from lines 37..45) dotted with
+/// `N` activation rows, accumulated into `res`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn packed_q4k<const N: usize, const FIVE: bool>(
+    tiles: &[u8],
+    tile_bytes: usize,
+    acts: &[Q8K],
+    kb: usize,
+    res: &mut [__m512; TILE_MT],
+) {
+    let nib = _mm512_set1_epi8(0x0f);
+    for b in 0..kb {
+        let tile = tiles.as_ptr().add(b * tile_bytes);
+        let d = f16x16(tile, Q4K_D);
+        let dmin = f16x16(tile, Q4K_DMIN);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for c in 0..8 {
+            prefetch_part(tile, tile_bytes, c, 8);
+            let hb = if FIVE {
+                _mm512_load_si512(tile.add(Q5K_FIFTH_BITS + 64 * c) as *const _)
+            } else {
+                _mm512_setzero_si512()
+            };
+            let mut isum = [_mm512_setzero_si512(); N];
+            for i in 0..4 {
+                let p = 4 * c + i;
+                let q = _mm512_load_si512(tile.add(64 * p) as *const _);
+                let mut lo = _mm512_and_si512(q, nib);
+                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), nib);
+                if FIVE {
+                    lo = _mm512_or_si512(lo, fifth_bit(hb, 2 * i));
+                    hi = _mm512_or_si512(hi, fifth_bit(hb, 2 * i + 1));
+                }
+                for t in 0..N {
+                    let a = &acts[t * kb + b];
+                    isum[t] = _mm512_dpbusd_epi32(isum[t], lo, bcast(a, 8 * p));
+                    isum[t] = _mm512_dpbusd_epi32(isum[t], hi, bcast(a, 8 * p + 4));
+                }
+            }
+            let sc = _mm_loadu_si128(tile.add(Q4K_SCALES + 16 * c) as *const _);
+            let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)), d);
+            for t in 0..N {
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), sc, acc[t]);
+            }
+        }
+        for s in 0..8 {
+            let mn = _mm_loadu_si128(tile.add(Q4K_MINS + 16 * s) as *const _);
+            let mn = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)), dmin);
+            for t in 0..N {
+                let a = &acts[t * kb + b];
+                acc[t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.fsum32[s]), acc[t]);
+            }
+        }
+        for t in 0..N {
+            res[t] = _mm512_fmadd_ps(acc[t], _mm512_set1_ps(acts[t * kb + b].d), res[t]);
+        }
+    }
+}
+
+/// 16 packed Q8_0 rows dotted with `N` activation rows, accumulated into `res`.
+/// `vpdpbusd` takes unsigned weights: each is offset by 128 (`xor 0x80`) and 128 times
+/// the chunk's activation sum taken off again, exactly (integers below 2^24 as f32).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn packed_q8_0<const N: usize>(
+    tiles: &[u8],
+    tile_bytes: usize,
+    acts: &[Q8K],
+    kb: usize,
+    res: &mut [__m512; TILE_MT],
+) {
+    let flip = _mm512_set1_epi8(-128);
+    for b in 0..kb {
+        let tile = tiles.as_ptr().add(b * tile_bytes);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for c in 0..8 {
+            prefetch_part(tile, tile_bytes, c, 8);
+            let mut isum = [_mm512_setzero_si512(); N];
+            for p in 8 * c..8 * c + 8 {
+                let q = _mm512_xor_si512(_mm512_load_si512(tile.add(64 * p) as *const _), flip);
+                for t in 0..N {
+                    let a = &acts[t * kb + b];
+                    isum[t] = _mm512_dpbusd_epi32(isum[t], q, bcast(a, 4 * p));
+                }
+            }
+            let d = f16x16(tile, Q8_0_D + 32 * c);
+            let n = stored_at(32 * c) / 32;
+            for t in 0..N {
+                let a = &acts[t * kb + b];
+                let offset = _mm512_set1_ps(128.0 * a.fsum32[n]);
+                let isum = _mm512_sub_ps(_mm512_cvtepi32_ps(isum[t]), offset);
+                acc[t] = _mm512_fmadd_ps(isum, d, acc[t]);
+            }
+        }
+        for t in 0..N {
+            res[t] = _mm512_fmadd_ps(acc[t], _mm512_set1_ps(acts[t * kb + b].d), res[t]);
+        }
+    }
+}
+
+/// 16 packed Q6_K rows dotted with `N` activation rows, accumulated into `res`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn packed_q6k<const N: usize>(
+    tiles: &[u8],
+    tile_bytes: usize,
+    acts: &[Q8K],
+    kb: usize,
+    res: &mut [__m512; TILE_MT],
+) {
+    let nib = _mm512_set1_epi8(0x0f);
+    let two = _mm512_set1_epi8(0x03);
+    for b in 0..kb {
+        let tile = tiles.as_ptr().add(b * tile_bytes);
+        let d = f16x16(tile, Q6K_D);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for c in 0..16 {
+            prefetch_part(tile, tile_bytes, c, 16);
+            let l0 = _mm512_load_si512(tile.add(64 * (2 * c)) as *const _);
+            let l1 = _mm512_load_si512(tile.add(64 * (2 * c + 1)) as *const _);
+            let h = _mm512_load_si512(tile.add(Q6K_HIGH + 64 * c) as *const _);
+            let h1 = _mm512_srli_epi16::<2>(h);
+            let h2 = _mm512_srli_epi16::<4>(h);
+            let h3 = _mm512_srli_epi16::<6>(h);
+            let w = [
+                _mm512_or_si512(
+                    _mm512_and_si512(l0, nib),
+                    _mm512_slli_epi16::<4>(_mm512_and_si512(h, two)),
+                ),
+                _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(l0), nib),
+                    _mm512_slli_epi16::<4>(_mm512_and_si512(h1, two)),
+                ),
+                _mm512_or_si512(
+                    _mm512_and_si512(l1, nib),
+                    _mm512_slli_epi16::<4>(_mm512_and_si512(h2, two)),
+                ),
+                _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(l1), nib),
+                    _mm512_slli_epi16::<4>(_mm512_and_si512(h3, two)),
+                ),
+            ];
+            let sc = _mm_loadu_si128(tile.add(Q6K_SCALES + 16 * c) as *const _);
+            let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), d);
+            for t in 0..N {
+                let a = &acts[t * kb + b];
+                // The sum starts at the stored values' offset of 32, taken off exactly.
+                let mut isum = _mm512_set1_epi32(a.q6k_start[c]);
+                for (i, w) in w.iter().enumerate() {
+                    isum = _mm512_dpbusd_epi32(isum, *w, bcast(a, 16 * c + 4 * i));
+                }
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[t]);
+            }
+        }
+        for t in 0..N {
+            res[t] = _mm512_fmadd_ps(acc[t], _mm512_set1_ps(acts[t * kb + b].d), res[t]);
+        }
+    }
+}
