@@ -11,7 +11,7 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use refusion::model::kquants::{self, matmul_many, PackedMatrix};
-use refusion_convert::gguf::GgmlType;
+use refusion_gguf::GgmlType;
 
 fn main() -> candle_core::Result<()> {
     let ours_only = std::env::args().any(|a| a == "--ours");

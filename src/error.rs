@@ -10,7 +10,7 @@ pub enum Error {
     #[error("the context is full: {needed} entries needed, {capacity} available (raise -c)")]
     ContextFull { needed: usize, capacity: usize },
     #[error(transparent)]
-    File(#[from] refusion_convert::Error),
+    File(#[from] refusion_gguf::Error),
     #[error("cancelled")]
     Cancelled,
     #[error("tensor computation failed: {0}")]

@@ -1,7 +1,7 @@
 //! Entry points for the fuzz targets in `fuzz/` and for replaying their corpora in tests: each
 //! takes arbitrary bytes and must return without panicking, hanging or allocating without bound.
 
-use refusion_convert::gguf::{GgufHeader, Value, ValueType};
+use refusion_gguf::{GgufHeader, Value, ValueType};
 
 use crate::chat::{ChatTemplate, Message, Tokenizer};
 use crate::decode::DecodeParams;
@@ -122,7 +122,7 @@ pub fn chat_template(data: &[u8]) {
 
 /// The server's request parsing and validation.
 pub fn server_request(data: &[u8]) {
-    let defaults = refusion_convert::DecodingDefaults::default();
+    let defaults = refusion_gguf::DecodingDefaults::default();
     let limits = Limits {
         base: DecodeParams::new(defaults, 1, 2),
         max_gen_length: 4096,
@@ -143,7 +143,7 @@ pub fn server_request(data: &[u8]) {
 /// each key's type (or its absence) and value, the rest are the flags' and a request's values.
 /// Whatever is accepted must give sizes that fit, and a decoder that starts.
 pub fn decoding_values(data: &[u8]) {
-    use refusion_convert::decoding::*;
+    use refusion_gguf::decoding::*;
     let mut bytes = data.iter().copied().chain(std::iter::repeat(0));
     let mut word = || {
         let mut b = [0u8; 8];

@@ -5,8 +5,8 @@
 
 use std::fmt;
 
-use refusion_convert::gguf::{GgmlType, GgufHeader, TensorInfo};
 use refusion_convert::info::human_bytes;
+use refusion_gguf::{GgmlType, GgufHeader, TensorInfo};
 
 use crate::kv::CacheType;
 use crate::model::device_attention::ATTN_TILE;

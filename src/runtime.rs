@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Device;
-use refusion_convert::gguf::GgufFile;
+use refusion_gguf::GgufFile;
 
 use crate::chat::Tokenizer;
 use crate::error::{Error, Result};

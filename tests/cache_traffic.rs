@@ -7,8 +7,8 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use refusion::convert::gguf::GgufFile;
 use refusion::decode::{generate, DecodeParams};
+use refusion::gguf::GgufFile;
 use refusion::kv::CacheType;
 use refusion::model::{Forward, Offload, Qwen3};
 

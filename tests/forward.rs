@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use common::*;
-use refusion::convert::gguf::GgufFile;
+use refusion::gguf::GgufFile;
 use refusion::kv::{CacheType, KvCache};
 use refusion::model::{Batch, Forward, LogitsFor, Qwen3};
 use serde_json::Value;

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use common::*;
-use refusion::convert::gguf::GgufFile;
 use refusion::decode::generate;
+use refusion::gguf::GgufFile;
 use refusion::kv::CacheType;
 use refusion::model::{Offload, Qwen3};
 use serde_json::Value;

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use refusion::convert::gguf::Value;
+use refusion::gguf::Value;
 
 /// What a run came to.
 #[derive(Debug, PartialEq)]

@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use common::*;
-use refusion::convert::gguf::GgufFile;
 use refusion::decode::{generate, DecodeParams, DecodeResult};
 use refusion::error::Error;
+use refusion::gguf::GgufFile;
 use refusion::kv::CacheType;
 use refusion::model::{Offload, Qwen3};
 use refusion::sched::{Request, Scheduler, Update};

@@ -11,8 +11,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use common::*;
-use refusion::convert::gguf::GgufFile;
 use refusion::decode::{argmax, generate, DecodeParams, DecodeResult, Kind};
+use refusion::gguf::GgufFile;
 use refusion::kv::{CacheType, KvCache};
 use refusion::model::{Batch, Forward, LogitsFor, Qwen3};
 use refusion::sched::{Request, Scheduler, Update};

@@ -5,7 +5,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use refusion::convert::gguf::{GgmlType, GgufFile};
+use refusion::gguf::{GgmlType, GgufFile};
 use refusion::kv::CacheType;
 use refusion::model::{Batch, Forward, Qwen3};
 

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use common::*;
 use refusion::chat::Tokenizer;
-use refusion::convert::gguf::GgufFile;
+use refusion::gguf::GgufFile;
 
 const TEXTS: &[&str] = &[
     "Hello, world!",

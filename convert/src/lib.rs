@@ -2,10 +2,6 @@
 //! checkpoint, choosing per-tensor types, quantizing, and writing the file atomically.
 
 pub mod convert;
-pub mod decoding;
-pub mod error;
-pub mod files;
-pub mod gguf;
 pub mod hf;
 pub mod info;
 pub mod mix;
@@ -17,8 +13,10 @@ pub mod requantize;
 pub mod synthetic;
 
 pub use convert::{convert, Checkpoint, ConvertOptions};
-pub use decoding::DecodingDefaults;
-pub use error::{Error, Result};
+// The format lives in its own crate, shared with the runtime; the converter uses it under
+// these names.
 pub use mix::MixOptions;
 pub use pipeline::{Summary, Verbosity};
+pub use refusion_gguf::{self as gguf, decoding, error, files};
+pub use refusion_gguf::{DecodingDefaults, Error, Result};
 pub use requantize::requantize;

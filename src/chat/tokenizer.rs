@@ -2,7 +2,7 @@
 //! crate, so that a GGUF file is all a user needs. It tokenizes exactly as the model's original
 //! `tokenizer.json` (tested with the real Qwen3/ReFusion tokenizer).
 
-use refusion_convert::gguf::{GgufHeader, Value};
+use refusion_gguf::{GgufHeader, Value};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::normalizers::unicode::NFC;

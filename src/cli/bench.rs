@@ -4,8 +4,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use refusion_convert::gguf::FileType;
 use refusion_convert::info::human_bytes;
+use refusion_gguf::FileType;
 
 use super::model_args::ModelArgs;
 use crate::model::{Batch, Forward, LogitsFor};

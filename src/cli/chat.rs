@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use refusion_convert::gguf::Value;
+use refusion_gguf::Value;
 
 use super::generate::DecodeArgs;
 use super::line_input::{Input, Line};

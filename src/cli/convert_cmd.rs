@@ -4,9 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use refusion_convert::gguf::{FileType, GgmlType, GgufFile};
 use refusion_convert::info::{describe, human_bytes};
 use refusion_convert::{ConvertOptions, DecodingDefaults, MixOptions, Summary, Verbosity};
+use refusion_gguf::{FileType, GgmlType, GgufFile};
 
 fn parse_ftype(s: &str) -> Result<FileType, String> {
     s.parse()

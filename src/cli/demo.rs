@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
-use refusion_convert::gguf::FileType;
 use refusion_convert::{ConvertOptions, Verbosity};
+use refusion_gguf::FileType;
 
 use super::generate::GenerateArgs;
 

@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args};
-use refusion_convert::decoding::{KEY_GEN_LENGTH, KEY_SERIAL_BLOCKS, KEY_SLOT_SIZE, MAX_TOKENS};
-use refusion_convert::gguf::{GgufHeader, Value};
-use refusion_convert::DecodingDefaults;
+use refusion_gguf::decoding::{KEY_GEN_LENGTH, KEY_SERIAL_BLOCKS, KEY_SLOT_SIZE, MAX_TOKENS};
+use refusion_gguf::DecodingDefaults;
+use refusion_gguf::{GgufHeader, Value};
 
 use super::model_args::ModelArgs;
 use crate::chat::{ChatTemplate, Message, TextStream, Tokenizer};

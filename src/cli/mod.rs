@@ -61,8 +61,8 @@ pub fn main() -> i32 {
         Ok(()) => 0,
         Err(e) => {
             if matches!(
-                e.downcast_ref::<refusion_convert::Error>(),
-                Some(refusion_convert::Error::Interrupted)
+                e.downcast_ref::<refusion_gguf::Error>(),
+                Some(refusion_gguf::Error::Interrupted)
             ) {
                 eprintln!("interrupted: no output file was written");
                 return 130;

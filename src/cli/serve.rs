@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::Args;
 
-use refusion_convert::decoding::MAX_TOKENS;
+use refusion_gguf::decoding::MAX_TOKENS;
 
 use super::generate::DecodeArgs;
 use super::model_args::ModelArgs;

@@ -1,6 +1,6 @@
 //! Decoding parameters and their checks.
 
-use refusion_convert::DecodingDefaults;
+use refusion_gguf::DecodingDefaults;
 
 use crate::error::{Error, Result};
 
@@ -76,7 +76,7 @@ impl DecodeParams {
     pub fn fit_serial_blocks(&mut self, block_len: u32) {
         let (k, padded) = (self.slot_size.max(1), self.padded_gen_length());
         // Out of range: left for `validate` to refuse (and not worth a search).
-        if padded == 0 || padded > 2 * refusion_convert::decoding::MAX_TOKENS {
+        if padded == 0 || padded > 2 * refusion_gguf::decoding::MAX_TOKENS {
             return;
         }
         let target = block_len.max(k);

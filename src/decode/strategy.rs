@@ -45,12 +45,12 @@ pub trait Strategy: Send {
 /// The strategies there are (`--strategy`, the API's `strategy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Kind {
-    /// ReFusion's slot decoding, as the reference's `generate_refusion` ([`super::slots`]).
+    /// ReFusion's slot decoding, as the reference's `generate_refusion` (`slots.rs`).
     #[default]
     Slots,
     /// Plain left-to-right decoding, one token per forward, greedy (or with the planning
     /// noise at a temperature): the baseline to compare slot decoding with on one file
-    /// ([`super::autoregressive`]).
+    /// (`autoregressive.rs`).
     Autoregressive,
 }
 

@@ -11,7 +11,7 @@
 use std::io::Read;
 use std::path::Path;
 
-use refusion_convert::files;
+use refusion_gguf::files;
 
 use crate::error::{Error, Result};
 
@@ -92,7 +92,7 @@ pub fn claim(path: &Path, kind: CacheFile, model: Option<&Path>) -> Result<Claim
     let mut head = [0u8; 4];
     let n = files::open_regular(path)
         .and_then(|mut f| {
-            read_up_to(&mut f, &mut head).map_err(|e| refusion_convert::Error::io(path, e))
+            read_up_to(&mut f, &mut head).map_err(|e| refusion_gguf::Error::io(path, e))
         })
         .map_err(Error::File)?;
     let head = &head[..n];

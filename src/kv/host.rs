@@ -121,7 +121,7 @@ fn open_cache_file(
 
 impl HostStore {
     /// The map for layers `first_layer..shape.n_layers`, backed by `path` when given (see
-    /// [`open_cache_file`]). Pages are only touched as entries are written.
+    /// `open_cache_file`). Pages are only touched as entries are written.
     pub fn new(
         shape: &CacheShape,
         first_layer: usize,

@@ -26,7 +26,7 @@ impl KvCache {
     /// rename). The path must be absent, empty or a saved prefix already
     /// ([`super::claim::claim`]): any other file is left as it is. `model_hash` ties the file to
     /// the model
-    /// ([`refusion_convert::gguf::GgufFile::layout_hash`]).
+    /// ([`refusion_gguf::GgufFile::layout_hash`]).
     pub fn save_prefix(
         &self,
         path: &Path,
@@ -59,7 +59,7 @@ impl KvCache {
         // The K/V entries are read straight from the cache, once for the checksum and once for
         // the file: no copy of the payload is built.
         let heads = self.host.heads();
-        let mut sum = refusion_convert::gguf::Fnv1a::default();
+        let mut sum = refusion_gguf::Fnv1a::default();
         for part in [
             &tokens_le[..],
             &positions_le[..],
@@ -121,7 +121,7 @@ impl KvCache {
         self.crop(0);
         let bad = |m: &str| Error::msg(format!("{}: {m}", path.display()));
         let io = |e: std::io::Error| Error::msg(format!("{}: {e}", path.display()));
-        let file = refusion_convert::files::open_regular(path)?;
+        let file = refusion_gguf::files::open_regular(path)?;
         if file.metadata().map_err(io)?.len() < SAVE_HEADER as u64 {
             return Err(bad("not a refusion KV cache file (too short)"));
         }
@@ -188,7 +188,7 @@ impl KvCache {
             ));
         }
         let body = &bytes[SAVE_HEADER..];
-        if refusion_convert::gguf::fnv1a(body) != checksum {
+        if refusion_gguf::fnv1a(body) != checksum {
             return Err(bad("the file is corrupt (checksum mismatch)"));
         }
         let n = n as usize;

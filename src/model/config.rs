@@ -1,6 +1,6 @@
 //! Qwen3 hyper-parameters read from GGUF metadata, and the tensor shapes they imply.
 
-use refusion_convert::gguf::{GgufHeader, Value};
+use refusion_gguf::{GgufHeader, Value};
 
 use crate::error::{Error, Result};
 

@@ -3,7 +3,7 @@
 
 use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Device, Module, Tensor};
-use refusion_convert::gguf::{GgufFile, TensorInfo};
+use refusion_gguf::{GgufFile, TensorInfo};
 
 use super::kquants::{self, PackedMatrix};
 use crate::error::{Error, Result};

@@ -16,7 +16,7 @@ use candle_core::quantized::k_quants::{
 use candle_core::quantized::{GgmlDType, QStorage, QuantizedType};
 use candle_core::{CpuStorage, Result};
 use half::f16;
-use refusion_convert::gguf::{GgufFile, TensorInfo};
+use refusion_gguf::{GgufFile, TensorInfo};
 
 /// The blocks of one tensor, in the map of `file`.
 struct MappedBlocks<T> {

@@ -15,8 +15,8 @@ use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
-use refusion_convert::gguf::{GgmlType, GgufFile, TensorInfo};
 use refusion_convert::quant;
+use refusion_gguf::{GgmlType, GgufFile, TensorInfo};
 
 use super::device_attention::{self, DeviceVisibility};
 use super::host::{self, sized, RopeTable, Scratch};

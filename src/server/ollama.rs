@@ -81,12 +81,12 @@ fn now_rfc3339() -> String {
 
 impl ModelCard {
     /// The card of the file `loaded` was loaded from.
-    pub fn of(file: &refusion_convert::gguf::GgufFile) -> ModelCard {
+    pub fn of(file: &refusion_gguf::GgufFile) -> ModelCard {
         let h = &file.header;
         let quantization = h
             .get("general.file_type")
             .and_then(|v| v.as_u64())
-            .and_then(|c| refusion_convert::gguf::FileType::from_code(c as u32))
+            .and_then(|c| refusion_gguf::FileType::from_code(c as u32))
             .map(|f| f.display_name())
             .unwrap_or_else(|| "unknown".into());
         let params: u64 = h.tensors.iter().map(|t| t.n_elements()).sum();

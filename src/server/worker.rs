@@ -14,7 +14,7 @@ use crate::decode::{DecodeParams, Event};
 use crate::error::{Error, RequestError};
 use crate::runtime::Loaded;
 use crate::sched::{Request, Scheduler, Stats, Update};
-use refusion_convert::decoding::MAX_TOKENS;
+use refusion_gguf::decoding::MAX_TOKENS;
 
 pub enum JobInput {
     Chat(Vec<Message>),

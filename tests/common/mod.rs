@@ -11,9 +11,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use refusion::convert::gguf::{GgufFile, GgufWriter, TensorSpec, Value};
 use refusion::convert::hf::config::Qwen3Config;
 use refusion::convert::names;
+use refusion::gguf::{GgufFile, GgufWriter, TensorSpec, Value};
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value as Json};
 

@@ -35,7 +35,7 @@ mod scalar;
 mod tiles;
 
 use acts::{quantize_rows, stored_at, Q8K};
-use refusion_convert::gguf::GgmlType;
+use refusion_gguf::GgmlType;
 use tiles::Packed;
 
 /// Asks for part `part` of `parts` of the tile `PREFETCH_TILES` ahead of `tile` (reads past a

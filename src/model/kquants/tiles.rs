@@ -17,7 +17,7 @@
 
 use std::mem::{offset_of, size_of};
 
-use refusion_convert::gguf::GgmlType;
+use refusion_gguf::GgmlType;
 
 #[repr(C)]
 pub struct Q4KTile {

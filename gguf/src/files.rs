@@ -8,6 +8,8 @@
 //! spelling of `O_NONBLOCK`; it comes from libc.
 
 use std::fs::{File, Metadata, OpenOptions};
+
+use memmap2::{Mmap, UncheckedAdvice};
 use std::path::Path;
 
 use crate::error::{Error, Result};
@@ -77,6 +79,18 @@ pub fn read_to_string_regular(path: &Path) -> Result<String> {
         .read_to_string(&mut text)
         .map_err(|e| Error::io(path, e))?;
     Ok(text)
+}
+
+/// Drops the pages of `mmap[start..start+len]` from this process, so that streaming through a
+/// file larger than memory keeps the resident set near one tensor. Best effort.
+pub fn release_pages(mmap: &Mmap, start: usize, len: usize) {
+    if len == 0 || start >= mmap.len() {
+        return;
+    }
+    let len = len.min(mmap.len() - start);
+    // SAFETY: the map is a read-only, file-backed mapping: after MADV_DONTNEED the next access
+    // reads the same bytes back from the file, so no reference observes a change.
+    let _ = unsafe { mmap.unchecked_advise_range(UncheckedAdvice::DontNeed, start, len) };
 }
 
 /// Whether two paths name the same file (device and inode), following links.

@@ -3,7 +3,7 @@
 
 use std::io::{self, Write};
 
-use super::{align_up, GgmlType, Value, DEFAULT_ALIGNMENT, MAGIC};
+use crate::{align_up, GgmlType, Value, DEFAULT_ALIGNMENT, MAGIC};
 
 /// What the header says about one tensor before its data exists.
 #[derive(Debug, Clone, PartialEq)]
@@ -169,8 +169,8 @@ fn put_value(out: &mut Vec<u8>, v: &Value) -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{GgufHeader, ValueType};
     use super::*;
+    use crate::{GgufHeader, ValueType};
 
     #[test]
     fn header_round_trips_through_the_reader() {

@@ -1,6 +1,6 @@
 //! ReFusion's decoding parameters as stored under `refusion.*` in the GGUF.
 
-use crate::gguf::{GgufHeader, Value};
+use crate::{GgufHeader, Value};
 
 pub const KEY_GEN_LENGTH: &str = "refusion.gen_length";
 pub const KEY_SLOT_SIZE: &str = "refusion.slot_size";

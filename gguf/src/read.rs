@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use super::{align_up, GgmlType, Value, ValueType, DEFAULT_ALIGNMENT, MAGIC};
 use crate::error::{Error, Result};
+use crate::{align_up, GgmlType, Value, ValueType, DEFAULT_ALIGNMENT, MAGIC};
 
 /// Arrays nested deeper than this are refused (llama.cpp writes none).
 const MAX_ARRAY_DEPTH: usize = 4;
@@ -253,7 +253,7 @@ impl GgufFile {
         let layout_hash = fnv1a(&mmap[..(header.data_offset as usize).min(mmap.len())]);
         // The header is parsed into owned values and hashed: its pages (megabytes of
         // vocabulary) need not stay resident.
-        crate::hf::release_pages(&mmap, 0, header.data_offset as usize);
+        crate::files::release_pages(&mmap, 0, header.data_offset as usize);
         Ok(GgufFile {
             path: path.to_path_buf(),
             header,
@@ -332,7 +332,7 @@ impl GgufFile {
     /// needed, so that a streaming pass over a large file does not keep it all resident.
     pub fn release(&self, t: &TensorInfo, offset: u64, len: u64) {
         let start = self.header.data_offset + t.offset + offset;
-        crate::hf::release_pages(&self.mmap, start as usize, len.min(t.n_bytes) as usize);
+        crate::files::release_pages(&self.mmap, start as usize, len.min(t.n_bytes) as usize);
     }
 }
 

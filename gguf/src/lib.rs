@@ -1,10 +1,15 @@
-//! The GGUF file format: types, metadata values, a validating reader and a streaming writer.
+//! The GGUF file format as refusion uses it, shared by the converter and the runtime: types,
+//! metadata values, a validating reader and a streaming writer, tensor data checks, ReFusion's
+//! `refusion.*` decoding keys, and opening the files a user names without blocking on them.
 //!
 //! Writing is done by hand rather than through a general GGUF crate because the converter
 //! streams tensor data that is quantized while it is written, and keeps metadata in a fixed,
 //! documented order so that the same checkpoint always converts to the same bytes.
 
 pub mod check;
+pub mod decoding;
+pub mod error;
+pub mod files;
 mod read;
 mod types;
 mod value;
@@ -14,6 +19,9 @@ pub use read::{fnv1a, Fnv1a, GgufFile, GgufHeader, TensorInfo};
 pub use types::{FileType, GgmlType};
 pub use value::{Value, ValueType};
 pub use write::{GgufWriter, TensorSpec};
+
+pub use decoding::DecodingDefaults;
+pub use error::{Error, Result};
 
 pub const MAGIC: [u8; 4] = *b"GGUF";
 pub const DEFAULT_ALIGNMENT: u64 = 32;

@@ -2,7 +2,7 @@
 //! scales must be finite. A NaN or infinite weight loads and runs without a word otherwise and
 //! turns every logit into NaN (the answer `!!!!`).
 
-use super::types::GgmlType;
+use crate::types::GgmlType;
 
 /// What is wrong with a tensor's data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
