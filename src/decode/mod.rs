@@ -102,9 +102,7 @@ pub fn generate<M: Forward + ?Sized>(
 /// prompt, the answer and one serial block of scratch. Front ends call it before any work, and
 /// answer its errors as the caller's (HTTP 400).
 pub fn check(prompt: &[u32], params: &DecodeParams, vocab: usize, capacity: usize) -> Result<()> {
-    params
-        .validate()
-        .map_err(|e| RequestError::Params(e.to_string()))?;
+    params.validate()?;
     if prompt.is_empty() {
         return Err(RequestError::EmptyPrompt.into());
     }

@@ -2,7 +2,7 @@
 
 use refusion_gguf::DecodingDefaults;
 
-use crate::error::{Error, Result};
+use crate::error::RequestError;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecodeParams {
@@ -88,21 +88,24 @@ impl DecodeParams {
         }
     }
 
-    pub fn validate(&self) -> Result<()> {
+    /// Whether these parameters can be decoded with: a caller's mistake when not.
+    pub fn validate(&self) -> std::result::Result<(), RequestError> {
         let mut d = self.defaults();
         if self.strategy != super::Kind::Slots {
             // Slots and serial blocks are slot decoding's: any gen length works without them.
             (d.slot_size, d.serial_blocks) = (1, 1);
         }
-        d.validate().map_err(Error::msg)?;
+        d.validate().map_err(RequestError::Params)?;
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(Error::msg(format!(
+            return Err(RequestError::Params(format!(
                 "temperature must be >= 0, got {}",
                 self.temperature
             )));
         }
         if self.eos_id == self.mask_id {
-            return Err(Error::msg("the EOS and mask tokens are the same id"));
+            return Err(RequestError::Params(
+                "the EOS and mask tokens are the same id".into(),
+            ));
         }
         Ok(())
     }

@@ -167,12 +167,12 @@ impl SlotDecoder {
         if n_prompt > 0 {
             // The prompt's KV stays; the masks' is dropped.
             let first = self.cur_x.len() as u32;
-            cache.truncate_rows(n_prompt);
+            cache.truncate_rows(n_prompt)?;
             cache.commit_row(0)?;
             self.cur_x.append(&mut self.pending_prompt);
             self.cur_pos.extend((0..n_prompt as u32).map(|i| first + i));
         } else {
-            cache.clear_rows();
+            cache.clear_rows()?;
         }
         let n_gen = n_slots * k;
         let mut x0 = Vec::with_capacity(n_gen);
@@ -280,7 +280,7 @@ impl SlotDecoder {
                 }
             }
             // Their KV from the verification forward: the leading entries of row 0.
-            cache.truncate_rows(tokens.len());
+            cache.truncate_rows(tokens.len())?;
             cache.commit_row(0)?;
             self.cur_x.extend_from_slice(&tokens);
             self.cur_pos.extend_from_slice(&positions);
@@ -293,7 +293,7 @@ impl SlotDecoder {
             self.end_step(to_remove);
             return Ok(());
         }
-        cache.clear_rows();
+        cache.clear_rows()?;
 
         // 3. Parallel infilling: one row per chosen slot over the shared cache.
         let spec = chosen
@@ -327,7 +327,7 @@ impl SlotDecoder {
         cache: &mut SeqCache<'_>,
     ) -> Result<()> {
         let width = self.k - inf.a;
-        cache.truncate_rows(inf.a);
+        cache.truncate_rows(inf.a)?;
         for r in 0..inf.spec.len() {
             for j in inf.a..self.k {
                 if !inf.tags[r][j] {
@@ -377,7 +377,7 @@ impl SlotDecoder {
             inf.row_pos.truncate(r + 1);
             inf.chosen.truncate(r + 1);
             inf.row_slot_starts.truncate(r + 1);
-            cache.retain_rows(r + 1);
+            cache.retain_rows(r + 1)?;
         }
         let m = inf
             .tags
@@ -391,7 +391,7 @@ impl SlotDecoder {
             } else {
                 inf.a += m;
             }
-            cache.truncate_rows(inf.a);
+            cache.truncate_rows(inf.a)?;
         }
         inf.it += 1;
         self.next_round(inf, cache, on_event)

@@ -362,20 +362,23 @@ impl KvCache {
         self.cells.available(SeqId::DEFAULT)
     }
 
+    // The default sequence's row operations fail only when it does not exist: in a
+    // scheduler's pool, which drives its sequences through `seq`, never through these.
+
     pub fn truncate_rows(&mut self, n: usize) {
-        self.seq(SeqId::DEFAULT).truncate_rows(n)
+        let _ = self.seq(SeqId::DEFAULT).truncate_rows(n);
     }
 
     pub fn retain_rows(&mut self, n: usize) {
-        self.seq(SeqId::DEFAULT).retain_rows(n)
+        let _ = self.seq(SeqId::DEFAULT).retain_rows(n);
     }
 
     pub fn clear_rows(&mut self) {
-        self.seq(SeqId::DEFAULT).clear_rows()
+        let _ = self.seq(SeqId::DEFAULT).clear_rows();
     }
 
     pub fn crop(&mut self, n: usize) {
-        self.seq(SeqId::DEFAULT).crop(n)
+        let _ = self.seq(SeqId::DEFAULT).crop(n);
     }
 
     pub fn commit(&mut self, entries: &[(usize, usize)]) -> Result<()> {
@@ -427,23 +430,23 @@ impl SeqCache<'_> {
     }
 
     /// Keeps the first `n` private entries of every row (HF's `crop(shared + n)`).
-    pub fn truncate_rows(&mut self, n: usize) {
-        let _ = self.cache.cells.truncate_rows(self.id, n);
+    pub fn truncate_rows(&mut self, n: usize) -> Result<()> {
+        self.cache.cells.truncate_rows(self.id, n)
     }
 
     /// Keeps rows `0..n` and drops the others (HF's `batch_select_minibatch(n)`).
-    pub fn retain_rows(&mut self, n: usize) {
-        let _ = self.cache.cells.retain_rows(self.id, n);
+    pub fn retain_rows(&mut self, n: usize) -> Result<()> {
+        self.cache.cells.retain_rows(self.id, n)
     }
 
     /// Drops every private entry.
-    pub fn clear_rows(&mut self) {
-        let _ = self.cache.cells.clear_rows(self.id);
+    pub fn clear_rows(&mut self) -> Result<()> {
+        self.cache.cells.clear_rows(self.id)
     }
 
     /// Truncates the shared prefix to `n` entries (O(1)) and drops every private entry.
-    pub fn crop(&mut self, n: usize) {
-        let _ = self.cache.cells.crop(self.id, n);
+    pub fn crop(&mut self, n: usize) -> Result<()> {
+        self.cache.cells.crop(self.id, n)
     }
 
     /// Appends the given private entries, `(row, index in row)`, to the shared prefix in the

@@ -83,6 +83,9 @@ pub struct Scheduler<'a, M: Forward + ?Sized> {
     model: &'a M,
     cache: KvCache,
     parallel: usize,
+    /// Entries a request's prompt, answer and scratch may take (the context it is promised;
+    /// the cache may be larger).
+    request_limit: usize,
     waiting: VecDeque<Request<'a>>,
     running: Vec<Running<'a>>,
     prefixes: Prefixes,
@@ -111,6 +114,7 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
             model,
             cache,
             parallel: parallel.max(1),
+            request_limit: capacity,
             waiting: VecDeque::new(),
             running: Vec::new(),
             prefixes: Prefixes::new(64),
@@ -126,14 +130,19 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
         }
     }
 
-    /// Queues a request after checking it (a mistake is answered at once through its sink).
+    /// Limits what one request may take to `entries` of the cache (default: all of it).
+    pub fn limit_requests(&mut self, entries: usize) {
+        self.request_limit = entries.min(self.cache.shape().capacity);
+    }
+
+    /// Queues a request after checking it ([`decode::check`], the one check of a request: a
+    /// mistake is answered at once through its sink).
     pub fn submit(&mut self, mut req: Request<'a>) {
-        let capacity = self.cache.shape().capacity;
         match decode::check(
             &req.prompt,
             &req.params,
             self.model.config().vocab,
-            capacity,
+            self.request_limit,
         ) {
             Ok(()) => self.waiting.push_back(req),
             Err(e) => {

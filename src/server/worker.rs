@@ -257,6 +257,8 @@ pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutd
         }
     };
     let mut sched = Scheduler::new(&loaded.model, cache, parallel);
+    // Scratch beyond the context is the cache's; a request may use the context.
+    sched.limit_requests(loaded.context);
     let ctx = Ctx {
         loaded: &loaded,
         template: template.as_ref(),
@@ -334,8 +336,9 @@ struct Ctx<'a> {
 }
 
 impl<'a> Ctx<'a> {
-    /// The job as a scheduler request: its prompt and parameters checked (a mistake comes back
-    /// with the job), its answer streamed to the client through the sink.
+    /// The job as a scheduler request: its parameters and prompt built (a mistake comes back
+    /// with the job; the scheduler checks the rest), its answer streamed to the client through
+    /// the sink.
     fn request(&self, job: Job) -> Result<Request<'a>, Box<(Job, ApiError)>> {
         let params = match params_for(&job.knobs, self.limits) {
             Ok(p) => p,
@@ -345,11 +348,6 @@ impl<'a> Ctx<'a> {
             Ok(p) => p,
             Err(e) => return Err(Box::new((job, e))),
         };
-        let vocab = crate::model::Forward::config(&self.loaded.model).vocab;
-        let capacity = self.loaded.context;
-        if let Err(e) = crate::decode::check(&prompt, &params, vocab, capacity) {
-            return Err(Box::new((job, api_error(e))));
-        }
         let tokenizer = &*self.loaded.tokenizer;
         let shutdown = self.shutdown;
         let Job {
