@@ -4,6 +4,13 @@
 pub enum Error {
     #[error("{0}")]
     Msg(String),
+    /// The model file's contents are not what the model needs (metadata, tensor shapes or
+    /// types, tokenizer): the file's fault, not the request's.
+    #[error("{0}")]
+    Model(String),
+    /// A broken invariant of this program (a bug to report), never the caller's doing.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// A request the caller got wrong (HTTP 400), checked before any work.
     #[error(transparent)]
     Request(#[from] RequestError),
@@ -43,5 +50,13 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     pub fn msg(m: impl Into<String>) -> Error {
         Error::Msg(m.into())
+    }
+
+    pub fn model(m: impl Into<String>) -> Error {
+        Error::Model(m.into())
+    }
+
+    pub fn internal(m: impl Into<String>) -> Error {
+        Error::Internal(m.into())
     }
 }

@@ -126,14 +126,14 @@ impl ChatTemplate {
             .trim_blocks(true)
             .lstrip_blocks(true)
             .build()
-            .map_err(|e| Error::msg(format!("template syntax: {e}")))?;
+            .map_err(|e| Error::model(format!("template syntax: {e}")))?;
         env.set_syntax(syntax);
         env.set_fuel(Some(FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_template_owned("chat", source.to_string())
-            .map_err(|e| Error::msg(format!("the chat template does not parse: {e}")))?;
+            .map_err(|e| Error::model(format!("the chat template does not parse: {e}")))?;
         Ok(ChatTemplate { env })
     }
 
@@ -144,7 +144,7 @@ impl ChatTemplate {
         let tmpl = self
             .env
             .get_template("chat")
-            .map_err(|e| Error::msg(format!("chat template: {e}")))?;
+            .map_err(|e| Error::model(format!("chat template: {e}")))?;
         let ctx = minijinja::context! {
             messages => JValue::from(minijinja::value::Serde(messages)),
             add_generation_prompt => add_generation_prompt,
@@ -155,8 +155,9 @@ impl ChatTemplate {
         // Render into a bounded buffer: a hostile template cannot grow the output past the limit.
         let mut out = Bounded(Vec::new());
         tmpl.render_captured_to(ctx, &mut out)
-            .map_err(|e| Error::msg(format!("rendering the chat template: {e}")))?;
-        String::from_utf8(out.0).map_err(|_| Error::msg("the chat template produced invalid UTF-8"))
+            .map_err(|e| Error::model(format!("rendering the chat template: {e}")))?;
+        String::from_utf8(out.0)
+            .map_err(|_| Error::model("the chat template produced invalid UTF-8"))
     }
 }
 

@@ -43,11 +43,11 @@ pub struct Tokenizer {
 fn strings<'a>(h: &'a GgufHeader, key: &str) -> Result<Vec<&'a str>> {
     h.get(key)
         .and_then(Value::as_array)
-        .ok_or_else(|| Error::msg(format!("metadata key {key} is missing or not an array")))?
+        .ok_or_else(|| Error::model(format!("metadata key {key} is missing or not an array")))?
         .iter()
         .map(|v| {
             v.as_str()
-                .ok_or_else(|| Error::msg(format!("{key} holds a non-string")))
+                .ok_or_else(|| Error::model(format!("{key} holds a non-string")))
         })
         .collect()
 }
@@ -57,7 +57,7 @@ fn token_id(h: &GgufHeader, key: &str, n: usize) -> Result<Option<u32>> {
         None => Ok(None),
         Some(v) => match v.as_u64() {
             Some(id) if (id as usize) < n => Ok(Some(id as u32)),
-            _ => Err(Error::msg(format!(
+            _ => Err(Error::model(format!(
                 "{key} = {v} is not a token id of this vocabulary ({n} tokens)"
             ))),
         },
@@ -75,7 +75,7 @@ impl Tokenizer {
             .and_then(Value::as_str)
             .unwrap_or("");
         if model != "gpt2" || pre != "qwen2" {
-            return Err(Error::msg(format!(
+            return Err(Error::model(format!(
                 "tokenizer '{model}' with pre-tokenizer '{pre}' is not supported (expected gpt2 / qwen2)"
             )));
         }
@@ -86,7 +86,7 @@ impl Tokenizer {
                 .iter()
                 .map(|v| match v {
                     Value::I32(t) => Ok(*t),
-                    other => Err(Error::msg(format!(
+                    other => Err(Error::model(format!(
                         "tokenizer.ggml.token_type holds {other}"
                     ))),
                 })
@@ -94,7 +94,7 @@ impl Tokenizer {
             None => vec![1; tokens.len()],
         };
         if types.len() != tokens.len() {
-            return Err(Error::msg(format!(
+            return Err(Error::model(format!(
                 "tokenizer.ggml.token_type has {} entries for {} tokens",
                 types.len(),
                 tokens.len()
@@ -128,14 +128,14 @@ impl Tokenizer {
             .map(|m| {
                 let (a, b) = m
                     .split_once(' ')
-                    .ok_or_else(|| Error::msg(format!("malformed merge {m:?}")))?;
+                    .ok_or_else(|| Error::model(format!("malformed merge {m:?}")))?;
                 Ok((a.to_string(), b.to_string()))
             })
             .collect::<Result<_>>()?;
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
-            .map_err(|e| Error::msg(format!("building the BPE tokenizer: {e}")))?;
+            .map_err(|e| Error::model(format!("building the BPE tokenizer: {e}")))?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
         let normalizer = h
             .get(NORMALIZER_KEY)
@@ -149,7 +149,7 @@ impl Tokenizer {
             SplitDelimiterBehavior::Isolated,
             false,
         )
-        .map_err(|e| Error::msg(format!("pre-tokenizer pattern: {e}")))?;
+        .map_err(|e| Error::model(format!("pre-tokenizer pattern: {e}")))?;
         let pre = Sequence::new(vec![
             PreTokenizerWrapper::Split(split),
             PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)),
@@ -166,7 +166,7 @@ impl Tokenizer {
                 inner.add_tokens(&[tok]);
             }
             if inner.token_to_id(tokens[id]) != Some(id as u32) {
-                return Err(Error::msg(format!(
+                return Err(Error::model(format!(
                     "added token {:?} does not keep its id {id}",
                     tokens[id]
                 )));
@@ -198,7 +198,7 @@ impl Tokenizer {
         let enc = self
             .inner
             .encode(text, false)
-            .map_err(|e| Error::msg(format!("tokenizing: {e}")))?;
+            .map_err(|e| Error::model(format!("tokenizing: {e}")))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -207,7 +207,7 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         self.inner
             .decode(ids, skip_special)
-            .map_err(|e| Error::msg(format!("detokenizing: {e}")))
+            .map_err(|e| Error::model(format!("detokenizing: {e}")))
     }
 
     pub fn is_special(&self, id: u32) -> bool {

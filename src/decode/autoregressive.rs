@@ -75,8 +75,8 @@ impl Strategy for Autoregressive {
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
         if !self.awaiting {
-            return Err(Error::msg(
-                "internal error: logits fed to a decoder that asked for none",
+            return Err(Error::internal(
+                "logits fed to a decoder that asked for none",
             ));
         }
         self.awaiting = false;

@@ -426,8 +426,8 @@ impl SlotDecoder {
         self.sum_tpf += (k * inf.counts_block) as f64 / (loop_iter * 2 + 2) as f64;
         self.tpf_steps += 1;
         if inf.a != k {
-            return Err(Error::msg(format!(
-                "internal error: infilling ended with {} of {k} tokens verified",
+            return Err(Error::internal(format!(
+                "infilling ended with {} of {k} tokens verified",
                 inf.a
             )));
         }
@@ -531,9 +531,7 @@ impl Strategy for SlotDecoder {
             Phase::Verify(pl) => self.after_verify(pl, logits, cache, on_event),
             Phase::Draft(inf) => self.after_draft(inf, logits, cache),
             Phase::Recheck(inf) => self.after_recheck(inf, logits, cache, on_event),
-            Phase::Done => Err(Error::msg(
-                "internal error: logits fed to a finished decoder",
-            )),
+            Phase::Done => Err(Error::internal("logits fed to a finished decoder")),
         }
     }
 

@@ -103,14 +103,14 @@ impl Cells {
         self.seqs
             .get(id.0 as usize)
             .and_then(Option::as_ref)
-            .ok_or_else(|| Error::msg(format!("internal error: no sequence {}", id.0)))
+            .ok_or_else(|| Error::internal(format!("no sequence {}", id.0)))
     }
 
     fn seq_mut(&mut self, id: SeqId) -> Result<&mut Seq> {
         self.seqs
             .get_mut(id.0 as usize)
             .and_then(Option::as_mut)
-            .ok_or_else(|| Error::msg(format!("internal error: no sequence {}", id.0)))
+            .ok_or_else(|| Error::internal(format!("no sequence {}", id.0)))
     }
 
     fn region(&self, r: usize) -> &Region {
@@ -241,7 +241,7 @@ impl Cells {
             .seqs
             .get_mut(id.0 as usize)
             .and_then(Option::take)
-            .ok_or_else(|| Error::msg(format!("internal error: no sequence {}", id.0)))?;
+            .ok_or_else(|| Error::internal(format!("no sequence {}", id.0)))?;
         let keep = keep.min(s.shared);
         if let Some(Some(r)) = self.regions.get_mut(s.region) {
             if keep < r.len && r.refs > 1 {
@@ -279,9 +279,7 @@ impl Cells {
         }
         if left > 0 {
             if left > s.shared {
-                return Err(Error::msg(
-                    "internal error: a prefix longer than the sequence's",
-                ));
+                return Err(Error::internal("a prefix longer than the sequence's"));
             }
             out.push((
                 Segment {
@@ -444,7 +442,7 @@ impl Cells {
         let mut src = Vec::with_capacity(entries.len());
         for &(r, i) in entries {
             let slot = *s.rows.get(r).and_then(|row| row.get(i)).ok_or_else(|| {
-                Error::msg(format!(
+                Error::internal(format!(
                     "commit of entry {i} of row {r}, which does not exist"
                 ))
             })?;
@@ -477,9 +475,7 @@ impl Cells {
             .enumerate()
         {
             if !keep(i, self.slot_pos[slot]) {
-                return Err(Error::msg(
-                    "internal error: dropping entries of a borrowed prefix",
-                ));
+                return Err(Error::internal("dropping entries of a borrowed prefix"));
             }
         }
         let kept: Vec<usize> = (start..start + s.shared)

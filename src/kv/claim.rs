@@ -64,13 +64,14 @@ pub enum Claim {
 /// Whether `path` may be written as a `kind` cache file, without writing anything. `model` is
 /// the model file, never accepted (same device and inode) whatever it holds.
 pub fn claim(path: &Path, kind: CacheFile, model: Option<&Path>) -> Result<Claim> {
+    // A path the user gave that cannot be written: their mistake, not a broken file.
     let refuse = |what: &str| {
-        Error::msg(format!(
+        Error::File(refusion_gguf::Error::usage(format!(
             "{}: {what}; refusing to overwrite it (give a new path, an empty file, or {} written \
              by refusion)",
             path.display(),
             kind.name(),
-        ))
+        )))
     };
     let meta = match std::fs::metadata(path) {
         Ok(m) => m,
@@ -78,7 +79,7 @@ pub fn claim(path: &Path, kind: CacheFile, model: Option<&Path>) -> Result<Claim
             check_parent(path)?;
             return Ok(Claim::Absent);
         }
-        Err(e) => return Err(Error::msg(format!("{}: {e}", path.display()))),
+        Err(e) => return Err(Error::File(refusion_gguf::Error::io(path, e))),
     };
     if !meta.is_file() {
         return Err(refuse(&format!("is {}", files::kind_name(&meta))));
@@ -128,11 +129,13 @@ fn read_up_to(f: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
 
 fn check_parent(path: &Path) -> Result<()> {
     match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() && !p.is_dir() => Err(Error::msg(format!(
-            "{}: its folder '{}' does not exist",
-            path.display(),
-            p.display()
-        ))),
+        Some(p) if !p.as_os_str().is_empty() && !p.is_dir() => {
+            Err(Error::File(refusion_gguf::Error::usage(format!(
+                "{}: its folder '{}' does not exist",
+                path.display(),
+                p.display()
+            ))))
+        }
         _ => Ok(()),
     }
 }

@@ -89,7 +89,7 @@ impl KvCache {
         header.extend_from_slice(&(extra.len() as u64).to_le_bytes());
         header.extend_from_slice(&sum.finish().to_le_bytes());
 
-        let io = |e: std::io::Error| Error::msg(format!("{}: {e}", path.display()));
+        let io = |e: std::io::Error| Error::File(refusion_gguf::Error::io(path, e));
         let mut out = refusion_convert::output::AtomicFile::create(path)?;
         {
             use std::io::Write;
@@ -119,8 +119,8 @@ impl KvCache {
     /// and leaves the sequence empty.
     pub fn load_prefix(&mut self, path: &Path, model_hash: u64) -> Result<SavedPrefix> {
         self.crop(0);
-        let bad = |m: &str| Error::msg(format!("{}: {m}", path.display()));
-        let io = |e: std::io::Error| Error::msg(format!("{}: {e}", path.display()));
+        let bad = |m: &str| Error::File(refusion_gguf::Error::bad(path, m));
+        let io = |e: std::io::Error| Error::File(refusion_gguf::Error::io(path, e));
         let file = refusion_gguf::files::open_regular(path)?;
         if file.metadata().map_err(io)?.len() < SAVE_HEADER as u64 {
             return Err(bad("not a refusion KV cache file (too short)"));

@@ -38,18 +38,18 @@ pub struct Qwen3Config {
 fn get_u64(h: &GgufHeader, key: &str) -> Result<u64> {
     h.get(key)
         .and_then(Value::as_u64)
-        .ok_or_else(|| Error::msg(format!("metadata key {key} is missing or not an integer")))
+        .ok_or_else(|| Error::model(format!("metadata key {key} is missing or not an integer")))
 }
 
 fn get_f64(h: &GgufHeader, key: &str) -> Result<f64> {
     h.get(key)
         .and_then(Value::as_f64)
-        .ok_or_else(|| Error::msg(format!("metadata key {key} is missing or not a number")))
+        .ok_or_else(|| Error::model(format!("metadata key {key} is missing or not a number")))
 }
 
 fn positive(key: &str, v: u64) -> Result<usize> {
     if v == 0 || v > (1 << 31) {
-        return Err(Error::msg(format!(
+        return Err(Error::model(format!(
             "metadata key {key} = {v} is out of range"
         )));
     }
@@ -73,7 +73,7 @@ impl Qwen3Config {
             .and_then(Value::as_str)
             .unwrap_or("");
         if arch != "qwen3" {
-            return Err(Error::msg(format!(
+            return Err(Error::model(format!(
                 "architecture '{arch}' is not supported (refusion runs qwen3 models: ReFusion and Qwen3)"
             )));
         }
@@ -88,13 +88,14 @@ impl Qwen3Config {
         let n_kv_heads = match h.get("qwen3.attention.head_count_kv") {
             Some(v) => positive(
                 "qwen3.attention.head_count_kv",
-                v.as_u64()
-                    .ok_or_else(|| Error::msg("qwen3.attention.head_count_kv is not an integer"))?,
+                v.as_u64().ok_or_else(|| {
+                    Error::model("qwen3.attention.head_count_kv is not an integer")
+                })?,
             )?,
             None => n_heads,
         };
         if n_heads % n_kv_heads != 0 {
-            return Err(Error::msg(format!(
+            return Err(Error::model(format!(
                 "head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}"
             )));
         }
@@ -104,21 +105,21 @@ impl Qwen3Config {
         };
         if let Some(v) = h.get("qwen3.attention.value_length") {
             if v.as_u64() != Some(head_dim as u64) {
-                return Err(Error::msg(format!(
+                return Err(Error::model(format!(
                     "attention.value_length {v} differs from key_length {head_dim}; not supported"
                 )));
             }
         }
         if head_dim % 2 != 0 {
-            return Err(Error::msg(format!(
+            return Err(Error::model(format!(
                 "head dimension {head_dim} must be even for RoPE"
             )));
         }
         let embd = h
             .tensor("token_embd.weight")
-            .ok_or_else(|| Error::msg("tensor token_embd.weight is missing"))?;
+            .ok_or_else(|| Error::model("tensor token_embd.weight is missing"))?;
         if embd.ne.len() != 2 || embd.ne[0] as usize != hidden {
-            return Err(Error::msg(format!(
+            return Err(Error::model(format!(
                 "tensor token_embd.weight has shape {:?}, expected [{hidden}, vocab]",
                 embd.ne
             )));
@@ -126,12 +127,12 @@ impl Qwen3Config {
         let rope_theta = match h.get("qwen3.rope.freq_base") {
             Some(v) => v
                 .as_f64()
-                .ok_or_else(|| Error::msg("qwen3.rope.freq_base is not a number"))?,
+                .ok_or_else(|| Error::model("qwen3.rope.freq_base is not a number"))?,
             None => 1_000_000.0,
         };
         let rms_eps = get_f64(h, "qwen3.attention.layer_norm_rms_epsilon")?;
         if !(rope_theta.is_finite() && rope_theta > 0.0 && rms_eps.is_finite() && rms_eps > 0.0) {
-            return Err(Error::msg(format!(
+            return Err(Error::model(format!(
                 "invalid rope.freq_base {rope_theta} or rms epsilon {rms_eps}"
             )));
         }
@@ -189,9 +190,9 @@ impl Qwen3Config {
         for (name, ne) in self.expected_tensors() {
             let t = h
                 .tensor(&name)
-                .ok_or_else(|| Error::msg(format!("tensor {name} is missing")))?;
+                .ok_or_else(|| Error::model(format!("tensor {name} is missing")))?;
             if t.ne != ne {
-                return Err(Error::msg(format!(
+                return Err(Error::model(format!(
                     "tensor {name} has shape {:?}, but the metadata implies {ne:?}",
                     t.ne
                 )));

@@ -115,7 +115,9 @@ impl Attention {
         s: &mut Scratch,
     ) -> Result<()> {
         let (Some([norm, qn, kn]), Some([wq, wk, wv, wo])) = (&self.host, self.packed()) else {
-            return Err(Error::msg(format!("layer {l} is not on the host path")));
+            return Err(Error::internal(format!(
+                "layer {l} is not on the host path"
+            )));
         };
         let (n, hs, eps) = (p.chunk.tokens.len(), p.heads, p.eps as f32);
         let h = sized(&mut s.h, x.len());
@@ -147,7 +149,7 @@ impl Attention {
         let h = rms_norm(x, &self.norm, p.eps)?;
         let [q, k, v]: [Tensor; 3] = Linear::forward_shared(&[&self.q, &self.k, &self.v], &h)?
             .try_into()
-            .map_err(|_| Error::msg("q, k and v"))?;
+            .map_err(|_| Error::internal("q, k and v"))?;
         let q = rms_norm(&q.reshape((n, hs.n, hs.dim))?, &self.q_norm, p.eps)?;
         let k = rms_norm(&k.reshape((n, hs.kv, hs.dim))?, &self.k_norm, p.eps)?;
         let a = match p.device {
@@ -197,7 +199,7 @@ impl Mlp {
     /// The host path: SwiGLU of the normalized `s.h` (`n` rows) into `s.o`.
     fn forward_host(&self, n: usize, s: &mut Scratch) -> Result<()> {
         let Some([wg, wu, wd]) = self.packed() else {
-            return Err(Error::msg("the feed-forward is not on the host path"));
+            return Err(Error::internal("the feed-forward is not on the host path"));
         };
         let (gate, up) = (
             sized(&mut s.gate, n * wg.rows()),
@@ -214,7 +216,7 @@ impl Mlp {
         let h = rms_norm(&x, &self.norm, eps)?;
         let [gate, up]: [Tensor; 2] = Linear::forward_shared(&[&self.gate, &self.up], &h)?
             .try_into()
-            .map_err(|_| Error::msg("gate and up"))?;
+            .map_err(|_| Error::internal("gate and up"))?;
         let gate = candle_nn::ops::silu(&gate)?;
         Ok((x + self.down.forward(&(gate * up)?)?)?)
     }
@@ -252,7 +254,7 @@ impl Layer {
     /// The block on the host path: `x` updated in place, every step into `s`.
     pub fn forward_host(&self, x: &mut [f32], p: &mut Pass<'_, '_>, s: &mut Scratch) -> Result<()> {
         let Some(ffn_norm) = &self.mlp.host else {
-            return Err(Error::msg(format!(
+            return Err(Error::internal(format!(
                 "layer {} is not on the host path",
                 self.index
             )));

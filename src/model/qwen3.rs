@@ -111,7 +111,7 @@ impl Loader<'_> {
         self.file
             .header
             .tensor(name)
-            .ok_or_else(|| Error::msg(format!("tensor {name} is missing")))
+            .ok_or_else(|| Error::model(format!("tensor {name} is missing")))
     }
 
     /// A weight matrix: Q4_K/Q5_K/Q6_K/Q8_0 CPU weights are repacked for our kernels; others are
@@ -162,7 +162,7 @@ impl Loader<'_> {
         let t = self.info(name)?;
         let mut v = vec![0f32; t.n_elements() as usize];
         if !quant::dequantize(t.ty, self.file.tensor_data(t), &mut v) {
-            return Err(Error::msg(format!(
+            return Err(Error::model(format!(
                 "tensor {name} has unsupported type {}",
                 t.ty
             )));
@@ -200,9 +200,9 @@ impl Qwen3 {
             .header
             .tensor("token_embd.weight")
             .cloned()
-            .ok_or_else(|| Error::msg("tensor token_embd.weight is missing"))?;
+            .ok_or_else(|| Error::model("tensor token_embd.weight is missing"))?;
         if matches!(token_embd.ty, GgmlType::Q8_1 | GgmlType::Q8_K) {
-            return Err(Error::msg(format!(
+            return Err(Error::model(format!(
                 "token_embd.weight has unsupported type {}",
                 token_embd.ty
             )));
@@ -270,7 +270,7 @@ impl Qwen3 {
             for h in handles {
                 loaded.extend(
                     h.join()
-                        .map_err(|_| Error::msg("loading a layer panicked"))?,
+                        .map_err(|_| Error::internal("loading a layer panicked"))?,
                 );
             }
             Ok(())
@@ -516,13 +516,13 @@ impl Forward for Qwen3 {
             || batch.rows.len() != n
             || !(batch.seqs.is_empty() || batch.seqs.len() == n)
         {
-            return Err(Error::msg(
+            return Err(Error::internal(
                 "batch tokens, positions, rows and sequences differ in length",
             ));
         }
         let wanted = batch.logit_indices();
         if let Some(&bad) = wanted.iter().find(|&&i| i >= n) {
-            return Err(Error::msg(format!(
+            return Err(Error::internal(format!(
                 "logits asked for token {bad} of a batch of {n}"
             )));
         }
@@ -531,7 +531,7 @@ impl Forward for Qwen3 {
             return Ok(());
         }
         if cache.device_layers() != self.gpu_layers() {
-            return Err(Error::msg(format!(
+            return Err(Error::internal(format!(
                 "the KV cache holds {} layers on the device but the model runs {} there",
                 cache.device_layers(),
                 self.gpu_layers()
