@@ -43,6 +43,12 @@ pub enum RequestError {
     },
     #[error("{0}")]
     Params(String),
+    /// A request field out of range or unknown (`field` as the API names it).
+    #[error("{message}")]
+    Field {
+        field: &'static str,
+        message: String,
+    },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

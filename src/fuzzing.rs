@@ -6,7 +6,6 @@ use refusion_gguf::{GgufHeader, Value, ValueType};
 use crate::chat::{ChatTemplate, Message, Tokenizer};
 use crate::decode::DecodeParams;
 use crate::server::api::{parse, ChatRequest, CompletionRequest};
-use crate::server::worker::{params_for, Limits};
 
 /// The GGUF reader: header, metadata, tensor infos, offsets, alignment.
 pub fn gguf_header(data: &[u8]) {
@@ -122,20 +121,15 @@ pub fn chat_template(data: &[u8]) {
 
 /// The server's request parsing and validation.
 pub fn server_request(data: &[u8]) {
-    let defaults = refusion_gguf::DecodingDefaults::default();
-    let limits = Limits {
-        base: DecodeParams::new(defaults, 1, 2),
-        max_gen_length: 4096,
-        parallel: 1,
-    };
+    let base = DecodeParams::new(refusion_gguf::DecodingDefaults::default(), 1, 2);
     if let Ok(r) = parse::<ChatRequest>(data) {
         for m in &r.messages {
             let _ = m.content.text();
         }
-        let _ = params_for(&r.knobs, &limits);
+        let _ = r.knobs.params(&base, 4096);
     }
     if let Ok(r) = parse::<CompletionRequest>(data) {
-        let _ = params_for(&r.knobs, &limits);
+        let _ = r.knobs.params(&base, 4096);
     }
 }
 
@@ -197,18 +191,14 @@ pub fn decoding_values(data: &[u8]) {
         p.serial_blocks = (flags[2] >> 1) as u32;
     }
     let _ = (p.padded_gen_length(), p.block_len(), p.dropped_tail());
-    let limits = Limits {
-        base: p.clone(),
-        max_gen_length: (word() as u32).clamp(1, MAX_TOKENS),
-        parallel: 1,
-    };
-    let knobs = crate::server::api::Knobs {
+    let max_gen_length = (word() as u32).clamp(1, MAX_TOKENS);
+    let overrides = crate::decode::Overrides {
         max_tokens: Some(word() as u32),
         slot_size: Some(word() as u32),
         serial_blocks: Some(word() as u32),
         ..Default::default()
     };
-    let _ = params_for(&knobs, &limits);
+    let _ = overrides.apply(&p, max_gen_length);
     let prompt = [3u32, 4, 5];
     if crate::decode::check(&prompt, &p, 16, 4 * MAX_TOKENS as usize).is_ok() {
         assert!(p.padded_gen_length() <= 2 * MAX_TOKENS);

@@ -23,7 +23,6 @@ use crate::decode::{DecodeParams, DecodeResult, Event};
 use crate::runtime::Loaded;
 use crate::sched::{Request, Scheduler, Update};
 use crate::server::api::{self, ChatMessage, Knobs};
-use crate::server::worker::{params_for, Limits};
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -110,11 +109,6 @@ pub fn run(loaded: &Loaded, lines: Vec<(usize, Value, Line)>, opts: &BatchRun<'_
         .and_then(|v| v.as_str())
         .map(ChatTemplate::new)
         .transpose()?;
-    let limits = Limits {
-        base: opts.base.clone(),
-        max_gen_length: loaded.context as u32,
-        parallel: opts.parallel,
-    };
     let n = lines.len();
     let results: RefCell<Vec<Option<Value>>> = RefCell::new(vec![None; n]);
     let generated = RefCell::new(0usize);
@@ -125,7 +119,7 @@ pub fn run(loaded: &Loaded, lines: Vec<(usize, Value, Line)>, opts: &BatchRun<'_
     let start = Instant::now();
     for (index, (line_no, id, line)) in lines.into_iter().enumerate() {
         let fail = |msg: String| json!({"index": index, "line": line_no, "id": id, "error": msg});
-        let params = match params_for(&line.knobs, &limits) {
+        let params = match line.knobs.params(&opts.base, loaded.context as u32) {
             Ok(p) => p,
             Err(e) => {
                 results.borrow_mut()[index] = Some(fail(e.message().to_string()));

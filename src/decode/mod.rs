@@ -12,6 +12,7 @@
 
 mod autoregressive;
 mod noise;
+mod overrides;
 mod params;
 mod probs;
 mod slots;
@@ -20,6 +21,7 @@ pub mod strategy;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use noise::Noise;
+pub use overrides::Overrides;
 pub use params::DecodeParams;
 pub use probs::{argmax, prob};
 pub use slots::SlotDecoder;

@@ -158,6 +158,39 @@ pub struct Knobs {
     pub strategy: Option<String>,
 }
 
+impl Knobs {
+    /// The request's decoding parameters: its fields over the server's defaults (`base`),
+    /// checked; `n` other than 1 is refused here (one choice per request).
+    pub fn params(
+        &self,
+        base: &crate::decode::DecodeParams,
+        max_gen_length: u32,
+    ) -> Result<crate::decode::DecodeParams, ApiError> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::bad_request(
+                "n must be 1: one choice per request is supported (send several requests)",
+            )
+            .param("n"));
+        }
+        let overrides = crate::decode::Overrides {
+            max_tokens: self.max_completion_tokens.or(self.max_tokens),
+            temperature: self.temperature,
+            seed: self.seed,
+            slot_size: self.slot_size,
+            serial_blocks: self.serial_blocks,
+            slot_threshold: self.slot_threshold,
+            token_threshold: self.token_threshold,
+            strategy: self.strategy.clone(),
+        };
+        overrides.apply(base, max_gen_length).map_err(|e| match e {
+            crate::error::RequestError::Field { field, message } => {
+                ApiError::bad_request(message).param(field)
+            }
+            e => ApiError::bad_request(e.to_string()),
+        })
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,

@@ -14,7 +14,6 @@ use crate::decode::{DecodeParams, Event};
 use crate::error::{Error, RequestError};
 use crate::runtime::Loaded;
 use crate::sched::{Request, Scheduler, Stats, Update};
-use refusion_gguf::decoding::MAX_TOKENS;
 
 pub enum JobInput {
     Chat(Vec<Message>),
@@ -161,69 +160,6 @@ impl StopFilter {
     }
 }
 
-/// The decoding parameters of a request: its fields over the server's defaults, checked.
-pub fn params_for(knobs: &Knobs, limits: &Limits) -> Result<DecodeParams, ApiError> {
-    if knobs.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad_request(
-            "n must be 1: one choice per request is supported (send several requests)",
-        )
-        .param("n"));
-    }
-    let mut p = limits.base.clone();
-    if let Some(n) = knobs.max_completion_tokens.or(knobs.max_tokens) {
-        if n == 0 || n > limits.max_gen_length {
-            return Err(ApiError::bad_request(format!(
-                "max_tokens must be between 1 and {}, got {n}",
-                limits.max_gen_length
-            ))
-            .param("max_tokens"));
-        }
-        p.gen_length = n;
-    }
-    if let Some(t) = knobs.temperature {
-        p.temperature = t;
-    }
-    if let Some(s) = knobs.seed {
-        p.seed = s;
-    }
-    for (name, v) in [
-        ("slot_size", knobs.slot_size),
-        ("serial_blocks", knobs.serial_blocks),
-    ] {
-        if let Some(v) = v.filter(|v| !(1..=MAX_TOKENS).contains(v)) {
-            return Err(ApiError::bad_request(format!(
-                "{name} must be between 1 and {MAX_TOKENS}, got {v}"
-            ))
-            .param(name));
-        }
-    }
-    if let Some(v) = knobs.slot_size {
-        p.slot_size = v;
-    }
-    match knobs.serial_blocks {
-        Some(v) => p.serial_blocks = v,
-        // Keep the server's block length when only max_tokens (or the slot size) changed.
-        None if p.gen_length != limits.base.gen_length || p.slot_size != limits.base.slot_size => {
-            p.fit_serial_blocks(limits.base.block_len())
-        }
-        None => {}
-    }
-    if let Some(s) = &knobs.strategy {
-        p.strategy = s
-            .parse()
-            .map_err(|e: String| ApiError::bad_request(e).param("strategy"))?;
-    }
-    if let Some(v) = knobs.slot_threshold {
-        p.slot_threshold = v;
-    }
-    if let Some(v) = knobs.token_threshold {
-        p.token_threshold = v;
-    }
-    p.validate()
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    Ok(p)
-}
-
 /// What the worker shows of its load (`/metrics`, `/health`): the scheduler's counters as of
 /// its last step, and the jobs in the queue not yet taken.
 #[derive(Clone, Default)]
@@ -340,7 +276,10 @@ impl<'a> Ctx<'a> {
     /// with the job; the scheduler checks the rest), its answer streamed to the client through
     /// the sink.
     fn request(&self, job: Job) -> Result<Request<'a>, Box<(Job, ApiError)>> {
-        let params = match params_for(&job.knobs, self.limits) {
+        let params = match job
+            .knobs
+            .params(&self.limits.base, self.limits.max_gen_length)
+        {
             Ok(p) => p,
             Err(e) => return Err(Box::new((job, e))),
         };
@@ -445,6 +384,7 @@ fn api_error(e: Error) -> ApiError {
                 | RequestError::MaskInPrompt { .. }
                 | RequestError::OutsideVocabulary { .. } => err.param("prompt"),
                 RequestError::TooLong { .. } => err.param("max_tokens"),
+                RequestError::Field { field, .. } => err.param(field),
                 RequestError::Params(_) => err,
             }
         }
@@ -564,85 +504,5 @@ mod tests {
         out.push_str(&f.push("y!"));
         out.push_str(&f.finish());
         assert_eq!(out, "abc xy!");
-    }
-
-    #[test]
-    fn any_request_number_gives_parameters_or_a_400_naming_the_field() {
-        use super::{params_for, Knobs, Limits};
-        use crate::decode::DecodeParams;
-        let limits = Limits {
-            base: DecodeParams::new(Default::default(), 1, 2),
-            max_gen_length: 2048,
-            parallel: 4,
-        };
-        let edges = [
-            0,
-            1,
-            2,
-            3,
-            4,
-            7,
-            64,
-            2048,
-            2049,
-            1 << 20,
-            (1 << 20) + 1,
-            u32::MAX,
-        ];
-        for &a in &edges {
-            for &b in &edges {
-                for &c in &edges {
-                    let knobs = Knobs {
-                        max_tokens: Some(a),
-                        slot_size: Some(b),
-                        serial_blocks: Some(c),
-                        seed: Some(u64::MAX),
-                        ..Default::default()
-                    };
-                    match params_for(&knobs, &limits) {
-                        Ok(p) => assert!(p.padded_gen_length() <= 2 << 20),
-                        Err(e) => {
-                            let text = format!("{e:?}");
-                            assert!(
-                                ["max_tokens", "slot_size", "serial_blocks", "gen length"]
-                                    .iter()
-                                    .any(|n| text.contains(n)),
-                                "{text}"
-                            );
-                        }
-                    }
-                    let knobs = Knobs {
-                        slot_size: Some(b),
-                        ..Default::default()
-                    };
-                    let _ = params_for(&knobs, &limits);
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn the_strategy_field_picks_a_strategy_or_is_a_400() {
-        use super::{params_for, Knobs, Limits};
-        use crate::decode::{DecodeParams, Kind};
-        let limits = Limits {
-            base: DecodeParams::new(Default::default(), 1, 2),
-            max_gen_length: 2048,
-            parallel: 4,
-        };
-        let with = |s: &str| Knobs {
-            strategy: Some(s.into()),
-            max_tokens: Some(10),
-            ..Default::default()
-        };
-        let p = params_for(&with("ar"), &limits).unwrap();
-        assert_eq!((p.strategy, p.gen_length), (Kind::Autoregressive, 10));
-        assert_eq!(
-            params_for(&with("slots"), &limits).unwrap().strategy,
-            Kind::Slots
-        );
-        let e = params_for(&with("beam"), &limits).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("strategy"));
-        assert!(e.message.contains("expected slots or ar"), "{}", e.message);
     }
 }
