@@ -248,10 +248,15 @@ fn a_slow_but_steady_client_is_not_cut_off_by_the_idle_timeout() {
 #[test]
 fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tiny_refusion_gguf(tmp.path());
+    // A small-vocabulary model whose long answers outlast the socket buffers.
+    let model = fast_model(tmp.path());
     let server = Server::start(
         &model,
         &[
+            "-c",
+            "8192",
+            "--max-gen-length",
+            "4000",
             "--max-connections",
             "3",
             "--header-timeout",
@@ -311,7 +316,7 @@ fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
     let answering: Vec<TcpStream> = (0..3)
         .map(|_| {
             let mut s = connect_small_window(&server);
-            post_chat(&mut s, UNREAD);
+            post_chat(&mut s, LONG);
             s
         })
         .collect();
@@ -335,9 +340,6 @@ fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
-
-/// A long streamed answer (under the default 2048 context and max_tokens).
-const UNREAD: &str = r#"{"messages":[{"role":"user","content":"hello"}],"max_tokens":1800,"stream":true,"slot_size":4,"serial_blocks":450}"#;
 
 #[test]
 fn every_error_answer_is_an_error_object() {

@@ -21,8 +21,9 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 use super::api::{parse, ApiError, ChatMessage, Knobs, Stop};
+use super::jobs::{collect, submit};
 use super::worker::{JobInput, Msg};
-use super::{collect, submit, AppState};
+use super::AppState;
 use crate::chat::Message;
 
 /// What `/api/tags` and `/api/show` tell about the one model served.

@@ -1,0 +1,163 @@
+//! What every API's handlers share: a request becomes a job on the worker's bounded queue
+//! ([`enqueue`], [`submit`]), its answer comes back as messages ([`started`], [`collect`]),
+//! and a response that goes away cancels its generation ([`CancelOnDrop`]).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::TrySendError;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::http::StatusCode;
+use axum::response::sse::Event as SseEvent;
+use serde_json::json;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::api::{ApiError, Knobs};
+use super::worker::{Job, JobInput, Msg};
+use super::AppState;
+
+/// Sets the job's cancel flag when dropped: the response (or its stream) went away.
+pub(super) struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+pub(super) fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Queues a job (a full queue is a 503).
+pub(super) fn enqueue(
+    state: &AppState,
+    input: JobInput,
+    knobs: Knobs,
+) -> Result<(UnboundedReceiver<Msg>, CancelOnDrop), ApiError> {
+    let (tx, rx) = unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let guard = CancelOnDrop(cancel.clone());
+    // Counted before it is sent: the worker counts it down when it takes it.
+    state.load.queued.fetch_add(1, Ordering::SeqCst);
+    let sent = state.jobs.try_send(Job {
+        input,
+        knobs,
+        cancel,
+        tx,
+    });
+    if sent.is_err() {
+        state.load.queued.fetch_sub(1, Ordering::SeqCst);
+    }
+    match sent {
+        Ok(()) => Ok((rx, guard)),
+        Err(TrySendError::Full(_)) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_busy",
+            format!(
+                "the server is busy ({} requests queued); retry later",
+                state.queue
+            ),
+        )),
+        Err(TrySendError::Disconnected(_)) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "the model worker stopped",
+        )),
+    }
+}
+
+/// Waits until a queued job starts (or fails before producing anything).
+pub(super) async fn started(rx: &mut UnboundedReceiver<Msg>) -> Result<usize, ApiError> {
+    match rx.recv().await {
+        Some(Msg::Started { prompt_tokens }) => Ok(prompt_tokens),
+        Some(Msg::Error(e)) => Err(e),
+        _ => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "generation ended early",
+        )),
+    }
+}
+
+/// Queues a job and waits until it starts (or fails before producing anything).
+pub(super) async fn submit(
+    state: &AppState,
+    input: JobInput,
+    knobs: Knobs,
+) -> Result<(UnboundedReceiver<Msg>, CancelOnDrop, usize), ApiError> {
+    let (mut rx, guard) = enqueue(state, input, knobs)?;
+    let prompt_tokens = started(&mut rx).await?;
+    Ok((rx, guard, prompt_tokens))
+}
+
+/// Collects a non-streamed answer.
+pub(super) async fn collect(
+    mut rx: UnboundedReceiver<Msg>,
+) -> Result<(String, &'static str, usize, usize), ApiError> {
+    let mut text = String::new();
+    while let Some(msg) = rx.recv().await {
+        match msg {
+            Msg::Delta(d) => text.push_str(&d),
+            Msg::Done {
+                finish_reason,
+                prompt_tokens,
+                completion_tokens,
+            } => return Ok((text, finish_reason, prompt_tokens, completion_tokens)),
+            Msg::Error(e) => return Err(e),
+            Msg::Started { .. } | Msg::End => {}
+        }
+    }
+    Err(ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        "generation ended early",
+    ))
+}
+
+pub(super) fn usage(p: usize, c: usize) -> serde_json::Value {
+    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+}
+
+/// The end of a stream. Without `stream_options.include_usage`: `[DONE]`. With it (OpenAI's
+/// convention): one more chunk, with no choices and the usage, then `[DONE]` (chained after
+/// the stream by [`UsageTail::last`], as one message cannot make two events).
+pub(super) struct UsageTail {
+    include: bool,
+    chunk: Option<serde_json::Value>,
+}
+
+impl UsageTail {
+    pub(super) fn new(include: bool) -> UsageTail {
+        UsageTail {
+            include,
+            chunk: None,
+        }
+    }
+
+    /// The finishing chunk `last` went out: the usage chunk copies its id, object and model.
+    pub(super) fn done(&mut self, last: &serde_json::Value, prompt: usize, completion: usize) {
+        if self.include {
+            let mut v = last.clone();
+            v["choices"] = json!([]);
+            v["usage"] = usage(prompt, completion);
+            self.chunk = Some(v);
+        }
+    }
+
+    /// The event for the worker's `End`.
+    pub(super) fn end(&mut self) -> Option<SseEvent> {
+        match (self.include, self.chunk.take()) {
+            (false, _) => Some(SseEvent::default().data("[DONE]")),
+            (true, chunk) => chunk.map(|v| SseEvent::default().data(v.to_string())),
+        }
+    }
+
+    /// What follows the stream: `[DONE]` when the usage chunk took `End`'s place.
+    pub(super) fn last(include: bool) -> Option<SseEvent> {
+        include.then(|| SseEvent::default().data("[DONE]"))
+    }
+}

@@ -1,0 +1,208 @@
+//! OpenAI's API: `/v1/chat/completions` and `/v1/completions`, streamed (server-sent events)
+//! or whole, and `/v1/models`.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::StreamExt;
+
+use super::api::{parse_with_knobs, ApiError, ChatRequest, CompletionRequest, PromptField};
+use super::jobs::{collect, enqueue, now, started, submit, usage, UsageTail};
+use super::worker::{JobInput, Msg};
+use super::AppState;
+use crate::chat::Message;
+
+pub(super) async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    match chat_inner(&state, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse_with_knobs(&body)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::bad_request("messages must not be empty").param("messages"));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for m in &req.messages {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
+            return Err(
+                ApiError::bad_request(format!("unknown role '{}'", m.role)).param("messages")
+            );
+        }
+        messages.push(Message::new(&m.role, &m.content.text()?));
+    }
+    let stream = req.knobs.stream;
+    let include_usage = req
+        .knobs
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.include_usage);
+    let (rx, guard, _) = submit(state, JobInput::Chat(messages), req.knobs).await?;
+    let id = format!("chatcmpl-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
+    let created = now();
+    let model = state.model.clone();
+    if !stream {
+        let (text, finish_reason, p, c) = collect(rx).await?;
+        drop(guard);
+        return Ok(Json(json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}],
+            "usage": usage(p, c),
+        }))
+        .into_response());
+    }
+    let chunk = move |delta: serde_json::Value, finish: Option<&str>| {
+        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+        .to_string()
+    };
+    let first = SseEvent::default().data(chunk(json!({"role": "assistant", "content": ""}), None));
+    let mut tail = UsageTail::new(include_usage);
+    let events = UnboundedReceiverStream::new(rx).filter_map(move |msg| {
+        let _keep = &guard;
+        match msg {
+            Msg::Delta(d) => Some(SseEvent::default().data(chunk(json!({"content": d}), None))),
+            Msg::Done {
+                finish_reason,
+                prompt_tokens,
+                completion_tokens,
+            } => {
+                let mut v: serde_json::Value =
+                    serde_json::from_str(&chunk(json!({}), Some(finish_reason))).ok()?;
+                v["usage"] = usage(prompt_tokens, completion_tokens);
+                tail.done(&v, prompt_tokens, completion_tokens);
+                Some(SseEvent::default().data(v.to_string()))
+            }
+            Msg::End => tail.end(),
+            Msg::Error(e) => Some(SseEvent::default().data(e.body().to_string())),
+            Msg::Started { .. } => None,
+        }
+    });
+    let all = tokio_stream::once(first)
+        .chain(events)
+        .chain(tokio_stream::iter(UsageTail::last(include_usage)))
+        .map(Ok::<_, std::convert::Infallible>);
+    Ok(Sse::new(all)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+pub(super) async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    match completions_inner(&state, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn completions_inner(
+    state: &Arc<AppState>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_with_knobs(&body)?;
+    // OpenAI's prompt: a string, token ids, or a list of either (one choice each, in order).
+    let inputs: Vec<JobInput> = match req.prompt {
+        PromptField::One(s) => vec![JobInput::Text(s)],
+        PromptField::Many(v) => v.into_iter().map(JobInput::Text).collect(),
+        PromptField::Tokens(ids) => vec![JobInput::Tokens(ids)],
+        PromptField::TokenLists(v) => v.into_iter().map(JobInput::Tokens).collect(),
+    };
+    if inputs.is_empty() {
+        return Err(ApiError::bad_request("prompt must not be an empty list").param("prompt"));
+    }
+    if inputs.len() > state.queue {
+        return Err(ApiError::bad_request(format!(
+            "at most {} prompts per request (the queue's size), got {}",
+            state.queue,
+            inputs.len()
+        ))
+        .param("prompt"));
+    }
+    let stream = req.knobs.stream;
+    let include_usage = req
+        .knobs
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.include_usage);
+    // All queued first (they decode together), then each waited for.
+    let mut queued = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        queued.push(enqueue(state, input, req.knobs.clone())?);
+    }
+    let mut streams = Vec::with_capacity(queued.len());
+    for (mut rx, guard) in queued {
+        started(&mut rx).await?;
+        streams.push((rx, guard));
+    }
+    let id = format!("cmpl-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
+    let created = now();
+    let model = state.model.clone();
+    if !stream {
+        let (mut choices, mut p, mut c) = (Vec::new(), 0, 0);
+        for (index, (rx, guard)) in streams.into_iter().enumerate() {
+            let (text, finish_reason, pt, ct) = collect(rx).await?;
+            drop(guard);
+            choices.push(json!({"index": index, "text": text, "finish_reason": finish_reason, "logprobs": null}));
+            (p, c) = (p + pt, c + ct);
+        }
+        return Ok(Json(json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices,
+            "usage": usage(p, c),
+        }))
+        .into_response());
+    }
+    let n = streams.len();
+    let chunk = move |index: usize, text: &str, finish: Option<&str>| {
+        json!({"id": id, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": null}]})
+    };
+    let mut merged = tokio_stream::StreamMap::new();
+    let mut guards = Vec::with_capacity(n);
+    for (index, (rx, guard)) in streams.into_iter().enumerate() {
+        merged.insert(index, UnboundedReceiverStream::new(rx));
+        guards.push(guard);
+    }
+    let mut tail = UsageTail::new(include_usage);
+    let (mut ended, mut p, mut c) = (0, 0, 0);
+    let events = merged.filter_map(move |(index, msg)| {
+        let _keep = &guards;
+        match msg {
+            Msg::Delta(d) => Some(SseEvent::default().data(chunk(index, &d, None).to_string())),
+            Msg::Done {
+                finish_reason,
+                prompt_tokens,
+                completion_tokens,
+            } => {
+                let v = chunk(index, "", Some(finish_reason));
+                (p, c) = (p + prompt_tokens, c + completion_tokens);
+                tail.done(&v, p, c);
+                Some(SseEvent::default().data(v.to_string()))
+            }
+            // The stream's end (the usage chunk or [DONE]) once every prompt's has ended.
+            Msg::End => {
+                ended += 1;
+                (ended == n).then(|| tail.end()).flatten()
+            }
+            Msg::Error(e) => Some(SseEvent::default().data(e.body().to_string())),
+            Msg::Started { .. } => None,
+        }
+    });
+    let events = events.chain(tokio_stream::iter(UsageTail::last(include_usage)));
+    Ok(Sse::new(events.map(Ok::<_, std::convert::Infallible>))
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+pub(super) async fn models(State(state): State<Arc<AppState>>) -> Response {
+    Json(json!({"object": "list", "data": [{"id": state.model, "object": "model", "created": 0, "owned_by": "refusion"}]}))
+        .into_response()
+}
