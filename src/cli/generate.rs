@@ -379,28 +379,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     };
     let start = Instant::now();
     let loaded = load(&opts)?;
-    let tok = &loaded.tokenizer;
-    let header = &loaded.file.header;
-
-    let params = a.decode.params(header, tok)?;
-    let eos = params.eos_id;
-
-    let prompt = match (&a.prompt_ids, &a.prompt, &a.file) {
-        (Some(ids), _, _) => {
-            if ids.is_empty() {
-                bail!("the prompt is empty");
-            }
-            ids.clone()
-        }
-        (_, Some(text), _) => {
-            prompt_tokens(tok, header, text, a.system.as_deref(), !a.no_chat_template)?
-        }
-        (_, _, Some(_)) => {
-            let text = file_text.as_deref().unwrap_or_default();
-            prompt_tokens(tok, header, text, a.system.as_deref(), !a.no_chat_template)?
-        }
-        _ => bail!("give a prompt with -p, -f or --prompt-ids"),
-    };
+    let params = a.decode.params(&loaded.file.header, &loaded.tokenizer)?;
+    let prompt = a.prompt_of(&loaded, file_text.as_deref())?;
     let gen = params.padded_gen_length() as usize;
     if prompt.len() + gen > loaded.context {
         bail!(
@@ -410,160 +390,260 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             loaded.context
         );
     }
-    let block = params.strategy.scratch(&params);
-    let cache = loaded.new_cache(loaded.context + block)?;
-    let mut session = Session::new(&loaded.model, tok, None, cache);
-    let model_hash = loaded.file.layout_hash();
-    if let Some(path) = a.prompt_cache.as_ref().filter(|p| p.exists()) {
-        match session.cache.load_prefix(path, model_hash) {
-            Ok(saved) => session.set_cached(saved.tokens),
-            // Ours (checked before loading) but for another model or shape: rebuilt.
-            Err(e) => eprintln!("prompt cache: {e}; starting fresh"),
+    let mut session = a.session(&loaded, &params, &prompt)?;
+    let mut out = Output::new(&a, &loaded.tokenizer, &prompt, &params);
+    let decode_start = Instant::now();
+    let never = AtomicBool::new(false);
+    let result = session.generate(&prompt, &params, &never, &mut |ev| out.event(ev))?;
+    let decode_s = decode_start.elapsed().as_secs_f64();
+    out.finish();
+    if let Some(path) = &a.prompt_cache {
+        let hash = loaded.file.layout_hash();
+        session.cache.save_prefix(path, hash, &prompt, b"")?;
+    }
+    let report = Report {
+        result: &result,
+        text: loaded.tokenizer.decode(result.answer(), true)?,
+        prompt_tokens: prompt.len(),
+        cached: session.last_reused,
+        params: &params,
+        load_s: loaded.load_seconds,
+        decode_s,
+        total_s: start.elapsed().as_secs_f64(),
+    };
+    if a.json {
+        println!("{}", report.json());
+    } else {
+        println!(
+            "{}",
+            if out.visual {
+                format!("\n{}", report.text)
+            } else {
+                String::new()
+            }
+        );
+        if !a.model.log_disable {
+            report.print_stats();
         }
     }
+    Ok(())
+}
 
-    // Notes go to stderr before the answer, not after it.
-    if a.prompt_cache.is_some() {
-        let reused = session.prepare(&prompt);
+impl GenerateArgs {
+    /// The prompt's token ids: `--prompt-ids` as they are, or the text of `-p` or `-f` (read
+    /// before the model loaded), through the chat template unless told otherwise.
+    fn prompt_of(
+        &self,
+        loaded: &crate::runtime::Loaded,
+        file_text: Option<&str>,
+    ) -> Result<Vec<u32>> {
+        let (tok, header) = (&loaded.tokenizer, &loaded.file.header);
+        let text = match (&self.prompt_ids, &self.prompt, file_text) {
+            (Some(ids), _, _) if ids.is_empty() => bail!("the prompt is empty"),
+            (Some(ids), _, _) => return Ok(ids.clone()),
+            (_, Some(text), _) => text.as_str(),
+            (_, _, Some(text)) => text,
+            _ => bail!("give a prompt with -p, -f or --prompt-ids"),
+        };
+        let (system, template) = (self.system.as_deref(), !self.no_chat_template);
+        prompt_tokens(tok, header, text, system, template)
+    }
+
+    /// A session over a cache for this prompt and answer, with `--prompt-cache`'s entries
+    /// loaded and the reuse noted (notes go to stderr before the answer, not after it).
+    fn session<'m>(
+        &self,
+        loaded: &'m crate::runtime::Loaded,
+        params: &DecodeParams,
+        prompt: &[u32],
+    ) -> Result<Session<'m, crate::model::Qwen3>> {
+        let scratch = params.strategy.scratch(params);
+        let cache = loaded.new_cache(loaded.context + scratch)?;
+        let mut session = Session::new(&loaded.model, &loaded.tokenizer, None, cache);
+        let Some(path) = &self.prompt_cache else {
+            return Ok(session);
+        };
+        if path.exists() {
+            match session.cache.load_prefix(path, loaded.file.layout_hash()) {
+                Ok(saved) => session.set_cached(saved.tokens),
+                // Ours (checked before loading) but for another model or shape: rebuilt.
+                Err(e) => eprintln!("prompt cache: {e}; starting fresh"),
+            }
+        }
+        let reused = session.prepare(prompt);
         if reused > 0 {
             eprintln!(
                 "prompt cache: reused {reused} of {} prompt tokens",
                 prompt.len()
             );
         }
+        Ok(session)
     }
-    let prompt_len = prompt.len() as u32;
-    let mut streamer = TextStream::new(tok, prompt.len(), eos);
-    // The canvas is drawn with escape codes: only on a terminal.
-    let visual = a.visual && !a.json && std::io::stdout().is_terminal();
-    if a.visual && !a.json && !visual {
-        eprintln!("note: --visual needs a terminal; printing the answer as text");
+}
+
+/// Where the answer goes as it decodes: streamed text, or the `--visual` canvas, or nothing
+/// until the end (`--json`).
+struct Output<'t> {
+    visual: bool,
+    stream: bool,
+    streamer: TextStream<'t>,
+    canvas: Canvas,
+    tok: &'t Tokenizer,
+    stdout: std::io::Stdout,
+}
+
+impl<'t> Output<'t> {
+    fn new(a: &GenerateArgs, tok: &'t Tokenizer, prompt: &[u32], params: &DecodeParams) -> Self {
+        // The canvas is drawn with escape codes: only on a terminal.
+        let visual = a.visual && !a.json && std::io::stdout().is_terminal();
+        if a.visual && !a.json && !visual {
+            eprintln!("note: --visual needs a terminal; printing the answer as text");
+        }
+        let gen = params.padded_gen_length() as usize;
+        Output {
+            visual,
+            stream: !a.json && !visual,
+            streamer: TextStream::new(tok, prompt.len(), params.eos_id),
+            canvas: Canvas {
+                prompt_len: prompt.len() as u32,
+                cells: vec![(' ', String::new()); gen],
+            },
+            tok,
+            stdout: std::io::stdout(),
+        }
     }
-    let mut canvas = Canvas {
-        prompt_len,
-        cells: vec![(' ', String::new()); gen],
-    };
-    let stream = !a.json && !visual;
-    let mut stdout = std::io::stdout();
-    let decode_start = Instant::now();
-    let piece = |t: u32| tok.decode(&[t], false).unwrap_or_default();
-    let never = AtomicBool::new(false);
-    let result = session.generate(&prompt, &params, &never, &mut |ev| match ev {
-        Event::Committed { positions, tokens } => {
-            if visual {
+
+    fn piece(&self, t: u32) -> String {
+        self.tok.decode(&[t], false).unwrap_or_default()
+    }
+
+    fn event(&mut self, ev: Event<'_>) {
+        match ev {
+            Event::Committed { positions, tokens } if self.visual => {
                 for (&p, &t) in positions.iter().zip(tokens) {
-                    canvas.set(p, 'C', piece(t));
-                }
-                canvas.draw(&mut stdout);
-            } else if stream {
-                if let Some(text) = streamer.push(positions, tokens) {
-                    let _ = stdout.write_all(text.as_bytes());
-                    let _ = stdout.flush();
+                    self.canvas.set(p, 'C', self.piece(t));
                 }
             }
-        }
-        Event::Planned {
-            slot_starts,
-            slot_size,
-            tokens,
-        } if visual => {
-            for (s, &start) in slot_starts.iter().enumerate() {
-                for j in 0..slot_size {
-                    canvas.set(start + j as u32, 'D', piece(tokens[s * slot_size + j]));
+            Event::Committed { positions, tokens } if self.stream => {
+                if let Some(text) = self.streamer.push(positions, tokens) {
+                    let _ = self.stdout.write_all(text.as_bytes());
+                    let _ = self.stdout.flush();
+                }
+                return;
+            }
+            Event::Planned {
+                slot_starts,
+                slot_size,
+                tokens,
+            } if self.visual => {
+                for (s, &start) in slot_starts.iter().enumerate() {
+                    for j in 0..slot_size {
+                        let piece = self.piece(tokens[s * slot_size + j]);
+                        self.canvas.set(start + j as u32, 'D', piece);
+                    }
                 }
             }
-            canvas.draw(&mut stdout);
-        }
-        Event::Infill {
-            slot_starts,
-            tokens,
-            tags,
-        } if visual => {
-            for (r, &start) in slot_starts.iter().enumerate() {
-                for (j, &t) in tokens[r].iter().enumerate() {
-                    canvas.set(
-                        start + j as u32,
-                        if tags[r][j] { 'V' } else { 'D' },
-                        piece(t),
-                    );
+            Event::Infill {
+                slot_starts,
+                tokens,
+                tags,
+            } if self.visual => {
+                for (r, &start) in slot_starts.iter().enumerate() {
+                    for (j, &t) in tokens[r].iter().enumerate() {
+                        let state = if tags[r][j] { 'V' } else { 'D' };
+                        self.canvas.set(start + j as u32, state, self.piece(t));
+                    }
                 }
             }
-            canvas.draw(&mut stdout);
+            _ => return,
         }
-        _ => {}
-    })?;
-    let decode_s = decode_start.elapsed().as_secs_f64();
-    if stream {
-        if let Some(tail) = streamer.finish() {
-            let _ = stdout.write_all(tail.as_bytes());
+        self.canvas.draw(&mut self.stdout);
+    }
+
+    /// The streamed text's held-back tail.
+    fn finish(&mut self) {
+        if self.stream {
+            if let Some(tail) = self.streamer.finish() {
+                let _ = self.stdout.write_all(tail.as_bytes());
+            }
         }
     }
-    if let Some(path) = &a.prompt_cache {
-        session.cache.save_prefix(path, model_hash, &prompt, b"")?;
+}
+
+/// What a decode came to, for `--json` or the figures on stderr.
+struct Report<'r> {
+    result: &'r crate::decode::DecodeResult,
+    text: String,
+    prompt_tokens: usize,
+    cached: usize,
+    params: &'r DecodeParams,
+    load_s: f64,
+    decode_s: f64,
+    total_s: f64,
+}
+
+impl Report<'_> {
+    fn tokens_per_s(&self) -> f64 {
+        self.result.tokens.len() as f64 / self.decode_s.max(1e-9)
     }
-    let text = tok.decode(result.answer(), true)?;
-    let n_gen = result.tokens.len();
-    let tps = n_gen as f64 / decode_s.max(1e-9);
-    if a.json {
-        let obj = serde_json::json!({
-            "tokens": result.tokens,
-            "positions": result.positions,
-            "text": text,
-            "answer_tokens": result.answer().len(),
-            "eos_found": result.eos_index.is_some(),
-            "tpf": result.tpf,
-            "forward_calls": result.forward_calls,
-            "forward_tokens": result.forward_tokens,
-            "forward_sizes": result.forward_sizes,
-            "prompt_tokens": prompt.len(),
-            "cached_prompt_tokens": session.last_reused,
+
+    fn json(&self) -> serde_json::Value {
+        let (r, p) = (self.result, self.params);
+        serde_json::json!({
+            "tokens": r.tokens,
+            "positions": r.positions,
+            "text": self.text,
+            "answer_tokens": r.answer().len(),
+            "eos_found": r.eos_index.is_some(),
+            "tpf": r.tpf,
+            "forward_calls": r.forward_calls,
+            "forward_tokens": r.forward_tokens,
+            "forward_sizes": r.forward_sizes,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached,
             "params": {
-                "gen_length": params.gen_length,
-                "slot_size": params.slot_size,
-                "serial_blocks": params.serial_blocks,
-                "slot_threshold": as_f64(params.slot_threshold),
-                "token_threshold": as_f64(params.token_threshold),
-                "temperature": params.temperature,
-                "seed": params.seed,
+                "gen_length": p.gen_length,
+                "slot_size": p.slot_size,
+                "serial_blocks": p.serial_blocks,
+                "slot_threshold": as_f64(p.slot_threshold),
+                "token_threshold": as_f64(p.token_threshold),
+                "temperature": p.temperature,
+                "seed": p.seed,
+                "strategy": p.strategy.name(),
             },
             "timings": {
-                "load_ms": loaded.load_seconds * 1e3,
-                "generate_ms": decode_s * 1e3,
-                "total_ms": start.elapsed().as_secs_f64() * 1e3,
-                "tokens_per_s": tps,
+                "load_ms": self.load_s * 1e3,
+                "generate_ms": self.decode_s * 1e3,
+                "total_ms": self.total_s * 1e3,
+                "tokens_per_s": self.tokens_per_s(),
             },
-        });
-        println!("{obj}");
-    } else {
-        if visual {
-            println!("\n{text}");
-        } else {
-            println!();
-        }
-        if (std::io::stderr().is_terminal() || !a.json) && !a.model.log_disable {
-            eprintln!();
-            eprintln!(
-                "refusion: load time     = {:>10.2} ms",
-                loaded.load_seconds * 1e3
-            );
-            eprintln!("refusion: prompt        = {:>10} tokens", prompt.len());
-            eprintln!(
-                "refusion: generated     = {:>10} tokens ({}) in {:.2} ms, {:.2} tokens/s",
-                n_gen,
-                match result.eos_index {
-                    Some(i) => format!("answer: {i} before EOS"),
-                    None => "no EOS".to_string(),
-                },
-                decode_s * 1e3,
-                tps
-            );
-            eprintln!(
-                "refusion: forward calls = {:>10} ({:.1} tokens per call), TPF {:.3}",
-                result.forward_calls,
-                result.forward_tokens as f64 / result.forward_calls.max(1) as f64,
-                result.tpf
-            );
-        }
+        })
     }
-    Ok(())
+
+    /// llama.cpp's figures on stderr.
+    fn print_stats(&self) {
+        let r = self.result;
+        eprintln!();
+        eprintln!("refusion: load time     = {:>10.2} ms", self.load_s * 1e3);
+        eprintln!(
+            "refusion: prompt        = {:>10} tokens",
+            self.prompt_tokens
+        );
+        eprintln!(
+            "refusion: generated     = {:>10} tokens ({}) in {:.2} ms, {:.2} tokens/s",
+            r.tokens.len(),
+            match r.eos_index {
+                Some(i) => format!("answer: {i} before EOS"),
+                None => "no EOS".to_string(),
+            },
+            self.decode_s * 1e3,
+            self.tokens_per_s()
+        );
+        eprintln!(
+            "refusion: forward calls = {:>10} ({:.1} tokens per call), TPF {:.3}",
+            r.forward_calls,
+            r.forward_tokens as f64 / r.forward_calls.max(1) as f64,
+            r.tpf
+        );
+    }
 }
