@@ -43,6 +43,11 @@ impl<'m, M: Forward + ?Sized> Session<'m, M> {
         }
     }
 
+    /// The tokenizer the session renders and decodes with.
+    pub fn tokenizer(&self) -> &'m Tokenizer {
+        self.tokenizer
+    }
+
     /// Starts over: no messages, an empty cache.
     pub fn reset(&mut self) {
         self.messages.clear();

@@ -87,11 +87,14 @@ pub fn run(a: ChatArgs) -> Result<()> {
     let template = ChatTemplate::new(source)?;
     let block = params.strategy.scratch(&params);
     let cache = loaded.new_cache(loaded.context + block)?;
-    let model_hash = loaded.file.layout_hash();
-    let mut session = Session::new(&loaded.model, &loaded.tokenizer, Some(template), cache);
-    if let Some(s) = &a.system {
-        session.messages.push(Message::new("system", s));
-    }
+    let mut chat = Chat {
+        session: Session::new(&loaded.model, &loaded.tokenizer, Some(template), cache),
+        params,
+        context: loaded.context,
+        system: a.system.clone(),
+        model_hash: loaded.file.layout_hash(),
+    };
+    chat.reset();
     let _ = ctrlc::set_handler(|| {
         if GENERATING.load(Ordering::SeqCst) {
             CANCEL.store(true, Ordering::SeqCst);
@@ -99,13 +102,11 @@ pub fn run(a: ChatArgs) -> Result<()> {
             std::process::exit(130);
         }
     });
-
     let interactive = std::io::stdin().is_terminal();
     if interactive {
         eprintln!("{HELP}");
     }
     let mut input_lines = Input::new(interactive);
-    let mut stdout = std::io::stdout();
     loop {
         let line = match input_lines.read("> ")? {
             Line::Text(line) => line,
@@ -116,93 +117,119 @@ pub fn run(a: ChatArgs) -> Result<()> {
                 continue;
             }
         };
-        let input = line.as_str();
+        match chat.command(&line) {
+            Flow::Quit => break,
+            Flow::Next => continue,
+            Flow::Message => chat.turn(&line)?,
+        }
+    }
+    Ok(())
+}
+
+/// A chat in the terminal: the session (its messages and cache) and what each turn needs.
+struct Chat<'m> {
+    session: Session<'m, crate::model::Qwen3>,
+    params: crate::decode::DecodeParams,
+    context: usize,
+    system: Option<String>,
+    model_hash: u64,
+}
+
+/// What a line of input asks for.
+enum Flow {
+    Quit,
+    /// Handled (a command, or nothing): read the next line.
+    Next,
+    /// A message to answer.
+    Message,
+}
+
+impl Chat<'_> {
+    /// A fresh conversation, with the system message if there is one.
+    fn reset(&mut self) {
+        self.session.reset();
+        if let Some(s) = &self.system {
+            self.session.messages.push(Message::new("system", s));
+        }
+    }
+
+    /// Carries out a `/command`; anything else is a message (or nothing, when blank).
+    fn command(&mut self, input: &str) -> Flow {
         if input.trim().is_empty() {
-            continue;
+            return Flow::Next;
         }
         let (cmd, arg) = input
             .split_once(' ')
             .map(|(c, a)| (c, a.trim()))
             .unwrap_or((input, ""));
         match cmd {
-            "/exit" | "/quit" | "/bye" => break,
-            "/help" | "/?" => {
-                eprintln!("{HELP}");
-                continue;
-            }
+            "/exit" | "/quit" | "/bye" => return Flow::Quit,
+            "/help" | "/?" => eprintln!("{HELP}"),
             "/reset" => {
-                session.reset();
-                if let Some(s) = &a.system {
-                    session.messages.push(Message::new("system", s));
-                }
+                self.reset();
                 eprintln!("(conversation reset)");
-                continue;
             }
-            "/save" | "/load" if arg.is_empty() => {
-                eprintln!("usage: {cmd} FILE");
-                continue;
-            }
-            "/save" => {
-                match save(&session, Path::new(arg), model_hash) {
-                    Ok(()) => {
-                        eprintln!("(saved {} tokens to {arg})", session.cached_tokens().len())
-                    }
-                    Err(e) => eprintln!("error: {e:#}"),
+            "/save" | "/load" if arg.is_empty() => eprintln!("usage: {cmd} FILE"),
+            "/save" => match save(&self.session, Path::new(arg), self.model_hash) {
+                Ok(()) => {
+                    let n = self.session.cached_tokens().len();
+                    eprintln!("(saved {n} tokens to {arg})")
                 }
-                continue;
-            }
-            "/load" => {
-                match restore(&mut session, Path::new(arg), model_hash) {
-                    Ok(()) => eprintln!(
-                        "(loaded {} messages, {} cached tokens from {arg})",
-                        session.messages.len(),
-                        session.cached_tokens().len()
-                    ),
-                    Err(e) => eprintln!("error: {e:#} (the conversation goes on as it was)"),
-                }
-                continue;
-            }
+                Err(e) => eprintln!("error: {e:#}"),
+            },
+            "/load" => match restore(&mut self.session, Path::new(arg), self.model_hash) {
+                Ok(()) => eprintln!(
+                    "(loaded {} messages, {} cached tokens from {arg})",
+                    self.session.messages.len(),
+                    self.session.cached_tokens().len()
+                ),
+                Err(e) => eprintln!("error: {e:#} (the conversation goes on as it was)"),
+            },
             // ollama's habit: any other /word is a mistyped command, not a message.
             c if c.starts_with('/') && c.len() > 1 => {
-                eprintln!("unknown command {c} (/? for help)");
-                continue;
+                eprintln!("unknown command {c} (/? for help)")
             }
-            _ => {}
+            _ => return Flow::Message,
         }
+        Flow::Next
+    }
 
-        CANCEL.store(false, Ordering::SeqCst);
-        GENERATING.store(true, Ordering::SeqCst);
+    /// Answers one message, streaming the answer; a mistake is said and the chat goes on.
+    fn turn(&mut self, input: &str) -> Result<()> {
         let start = Instant::now();
-        let tok = &loaded.tokenizer;
-        let mut messages = session.messages.clone();
+        let mut messages = self.session.messages.clone();
         messages.push(Message::new("user", input));
-        let prompt = match session.render(&messages) {
+        let prompt = match self.session.render(&messages) {
             Ok(p) => p,
             Err(e) => {
-                GENERATING.store(false, Ordering::SeqCst);
                 eprintln!("error: {e}");
-                continue;
+                return Ok(());
             }
         };
-        if prompt.len() + params.padded_gen_length() as usize > loaded.context {
-            GENERATING.store(false, Ordering::SeqCst);
+        let gen = self.params.padded_gen_length() as usize;
+        if prompt.len() + gen > self.context {
             eprintln!(
-                "error: the conversation ({} tokens) plus an answer ({}) exceeds the context of {}; /reset or raise -c",
+                "error: the conversation ({} tokens) plus an answer ({gen}) exceeds the context of {}; /reset or raise -c",
                 prompt.len(),
-                params.padded_gen_length(),
-                loaded.context
+                self.context
             );
-            continue;
+            return Ok(());
         }
-        let mut stream = TextStream::new(tok, prompt.len(), params.eos_id);
-        let result = session.generate(&prompt, &params, &CANCEL, &mut |ev| {
-            if let Event::Committed { positions, tokens } = ev {
-                if let Some(text) = stream.push(positions, tokens) {
-                    let _ = stdout.write_all(text.as_bytes());
-                    let _ = stdout.flush();
+        let tok = self.session.tokenizer();
+        let mut stream = TextStream::new(tok, prompt.len(), self.params.eos_id);
+        let mut stdout = std::io::stdout();
+        CANCEL.store(false, Ordering::SeqCst);
+        GENERATING.store(true, Ordering::SeqCst);
+        let result = self
+            .session
+            .generate(&prompt, &self.params, &CANCEL, &mut |ev| {
+                if let Event::Committed { positions, tokens } = ev {
+                    if let Some(text) = stream.push(positions, tokens) {
+                        let _ = stdout.write_all(text.as_bytes());
+                        let _ = stdout.flush();
+                    }
                 }
-            }
-        });
+            });
         GENERATING.store(false, Ordering::SeqCst);
         if result.is_ok() {
             if let Some(tail) = stream.finish() {
@@ -214,7 +241,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
             Ok(r) => {
                 let text = tok.decode(r.answer(), true)?;
                 messages.push(Message::new("assistant", &text));
-                session.messages = messages;
+                self.session.messages = messages;
                 let secs = start.elapsed().as_secs_f64();
                 eprintln!(
                     "[{} tokens in {:.2} s, {:.1} tokens/s, TPF {:.2}, {} of {} prompt tokens from the cache]",
@@ -222,13 +249,13 @@ pub fn run(a: ChatArgs) -> Result<()> {
                     secs,
                     r.tokens.len() as f64 / secs.max(1e-9),
                     r.tpf,
-                    session.last_reused,
+                    self.session.last_reused,
                     prompt.len()
                 );
             }
             Err(crate::error::Error::Cancelled) => eprintln!("(stopped)"),
             Err(e) => eprintln!("error: {e}"),
         }
+        Ok(())
     }
-    Ok(())
 }
