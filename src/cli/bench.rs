@@ -52,78 +52,20 @@ struct Row {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
-    if a.repetitions == 0 {
-        bail!("-r must be at least 1");
-    }
-    // 0 skips a kind of test, as in llama-bench (`-p 0 -n 128`: generation only).
-    let mut a = a;
-    a.n_tokens.retain(|&n| n > 0);
-    a.n_gen.retain(|&n| n > 0);
-    if a.n_tokens.is_empty() && a.n_gen.is_empty() {
-        bail!("nothing to measure: -p and -n are both 0");
-    }
+    let a = a.checked()?;
     let format = if a.json { "jsonl" } else { a.output.as_str() };
     let table = format == "md";
     super::set_threads(a.model.threads)?;
     let threads = rayon::current_num_threads();
     let opts = a.model.load_options(table)?;
-    let (flag, largest) = a
-        .n_tokens
-        .iter()
-        .map(|&n| ("-p", n))
-        .chain(a.n_gen.iter().map(|&n| ("-n", n)))
-        .max_by_key(|&(_, n)| n)
-        .unwrap_or(("-p", 1));
-    // Never more than the user set: a test that does not fit is refused, before loading.
-    let context = opts.context.unwrap_or(crate::runtime::DEFAULT_CONTEXT);
-    if context != 0 && a.prefix + largest > context {
-        bail!(
-            "-d {} plus {flag} {largest} is {} tokens, more than the context (-c {context}); raise -c",
-            a.prefix,
-            a.prefix + largest,
-        );
-    }
+    a.check_context(opts.context)?;
     let loaded = load(&opts)?;
     let mut cache = loaded.new_cache(loaded.context)?;
     let rss = resident_bytes();
-    let cfg = loaded.model.config().clone();
-    let vocab = cfg.vocab as u32;
-    let file_type = loaded
-        .file
-        .header
-        .get("general.file_type")
-        .and_then(|v| v.as_u64())
-        .and_then(|c| FileType::from_code(c as u32))
-        .map(|f| f.display_name())
-        .unwrap_or_else(|| "?".into());
-    let name = loaded
-        .file
-        .header
-        .get("general.name")
-        .and_then(|v| v.as_str())
-        .unwrap_or("qwen3")
-        .to_string();
-    let params: u64 = loaded
-        .file
-        .header
-        .tensors
-        .iter()
-        .map(|t| t.n_elements())
-        .sum();
-    let size: u64 = loaded.file.header.tensors.iter().map(|t| t.n_bytes).sum();
-
-    // The shared prefix, committed once.
+    let vocab = loaded.model.config().vocab as u32;
     let cache = &mut cache;
-    if a.prefix > 0 {
-        let toks: Vec<u32> = (0..a.prefix as u32)
-            .map(|i| (i * 7919 + 13) % vocab)
-            .collect();
-        let pos: Vec<u32> = (0..a.prefix as u32).collect();
-        let mut b = Batch::row(&toks, &pos, 0);
-        b.logits_for = LogitsFor::None;
-        loaded.model.forward(&b, cache)?;
-        cache.commit_row(0)?;
-    }
+    fill_prefix(&loaded, cache, a.prefix, vocab)?;
+    let line = ModelLine::of(&loaded, threads);
     if table {
         if let Some(rss) = rss {
             eprintln!(
@@ -135,19 +77,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
         println!("| model                          |       size |     params | backend       | threads |            test |                  t/s |");
         println!("| ------------------------------ | ---------: | ---------: | ------------- | ------: | --------------: | -------------------: |");
     }
-    // llama-bench's backend column, with the offload: "CUDA ngl 36+o" is every layer and the
-    // output layer on the GPU.
-    let backend = match loaded.model.offload() {
-        Some(o) => format!("CUDA ngl {}{}", o.layers, if o.output { "+o" } else { "" }),
-        None => "CPU".to_string(),
-    };
-    let model_name = format!("{name} {file_type}");
-    let params_text = if params >= 1_000_000_000 {
-        format!("{:.2} B", params as f64 / 1e9)
-    } else {
-        format!("{:.2} M", params as f64 / 1e6)
-    };
-    let kernels = crate::model::kquants::path_name();
     let mut rows = Vec::new();
     let tests = a
         .n_tokens
@@ -168,48 +97,166 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 );
             }
         }
-        let row = summarize(
-            format!("{}{n} @ d{}", if gen { "tg" } else { "pp" }, a.prefix),
-            n,
-            gen,
-            times,
-        );
+        let kind = if gen { "tg" } else { "pp" };
+        let row = summarize(format!("{kind}{n} @ d{}", a.prefix), n, gen, times);
         match format {
-            "md" => println!(
-                "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>15} | {:>20} |",
-                model_name,
-                human_bytes(size),
-                params_text,
-                backend,
-                threads,
-                row.test,
-                format!("{:.2} ± {:.2}", row.tokens_per_s, row.sd),
-            ),
-            "jsonl" => println!("{}", row_json(&row, a.prefix, threads, &backend, kernels)),
+            "md" => println!("{}", line.table_row(&row)),
+            "jsonl" => println!("{}", line.json(&row, a.prefix)),
             _ => {}
         }
         rows.push(row);
     }
     match format {
         "json" => {
-            let all: Vec<_> = rows
-                .iter()
-                .map(|r| row_json(r, a.prefix, threads, &backend, kernels))
-                .collect();
+            let all: Vec<_> = rows.iter().map(|r| line.json(r, a.prefix)).collect();
             println!("{}", serde_json::Value::Array(all));
         }
         "csv" => {
             println!("model,size,params,backend,threads,kernels,test,n_tokens,prefix,tokens_per_s,stddev,ms_per_forward");
             for r in &rows {
-                println!(
-                    "\"{model_name}\",{size},{params},{backend},{threads},{kernels},{},{},{},{:.4},{:.4},{:.4}",
-                    r.test, r.n, a.prefix, r.tokens_per_s, r.sd, r.ms_per_forward
-                );
+                println!("{}", line.csv(r, a.prefix));
             }
         }
         _ => {}
     }
     Ok(())
+}
+
+impl BenchArgs {
+    /// The tests to run (0 skips a kind of test, as in llama-bench: `-p 0 -n 128` is
+    /// generation only), refused when there are none.
+    fn checked(mut self) -> Result<BenchArgs> {
+        if self.repetitions == 0 {
+            bail!("-r must be at least 1");
+        }
+        self.n_tokens.retain(|&n| n > 0);
+        self.n_gen.retain(|&n| n > 0);
+        if self.n_tokens.is_empty() && self.n_gen.is_empty() {
+            bail!("nothing to measure: -p and -n are both 0");
+        }
+        Ok(self)
+    }
+
+    /// Never more than the user set: a test that does not fit is refused, before loading.
+    fn check_context(&self, context: Option<usize>) -> Result<()> {
+        let (flag, largest) = self
+            .n_tokens
+            .iter()
+            .map(|&n| ("-p", n))
+            .chain(self.n_gen.iter().map(|&n| ("-n", n)))
+            .max_by_key(|&(_, n)| n)
+            .unwrap_or(("-p", 1));
+        let context = context.unwrap_or(crate::runtime::DEFAULT_CONTEXT);
+        if context != 0 && self.prefix + largest > context {
+            bail!(
+                "-d {} plus {flag} {largest} is {} tokens, more than the context (-c {context}); raise -c",
+                self.prefix,
+                self.prefix + largest,
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The shared prefix every test runs over (`-d`), committed once.
+fn fill_prefix(
+    loaded: &crate::runtime::Loaded,
+    cache: &mut crate::kv::KvCache,
+    prefix: usize,
+    vocab: u32,
+) -> Result<()> {
+    if prefix == 0 {
+        return Ok(());
+    }
+    let toks: Vec<u32> = (0..prefix as u32)
+        .map(|i| (i * 7919 + 13) % vocab)
+        .collect();
+    let pos: Vec<u32> = (0..prefix as u32).collect();
+    let mut b = Batch::row(&toks, &pos, 0);
+    b.logits_for = LogitsFor::None;
+    loaded.model.forward(&b, cache)?;
+    cache.commit_row(0)?;
+    Ok(())
+}
+
+/// What each row says of the model and the machine, as llama-bench's columns.
+struct ModelLine {
+    model: String,
+    size: u64,
+    params: u64,
+    backend: String,
+    threads: usize,
+    kernels: &'static str,
+}
+
+impl ModelLine {
+    fn of(loaded: &crate::runtime::Loaded, threads: usize) -> ModelLine {
+        let h = &loaded.file.header;
+        let file_type = h
+            .get("general.file_type")
+            .and_then(|v| v.as_u64())
+            .and_then(|c| FileType::from_code(c as u32))
+            .map(|f| f.display_name())
+            .unwrap_or_else(|| "?".into());
+        let name = h
+            .get("general.name")
+            .and_then(|v| v.as_str())
+            .unwrap_or("qwen3");
+        // llama-bench's backend column, with the offload: "CUDA ngl 36+o" is every layer and
+        // the output layer on the GPU.
+        let backend = match loaded.model.offload() {
+            Some(o) => format!("CUDA ngl {}{}", o.layers, if o.output { "+o" } else { "" }),
+            None => "CPU".to_string(),
+        };
+        ModelLine {
+            model: format!("{name} {file_type}"),
+            size: h.tensors.iter().map(|t| t.n_bytes).sum(),
+            params: h.tensors.iter().map(|t| t.n_elements()).sum(),
+            backend,
+            threads,
+            kernels: crate::model::kquants::path_name(),
+        }
+    }
+
+    fn table_row(&self, row: &Row) -> String {
+        let params = if self.params >= 1_000_000_000 {
+            format!("{:.2} B", self.params as f64 / 1e9)
+        } else {
+            format!("{:.2} M", self.params as f64 / 1e6)
+        };
+        format!(
+            "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>15} | {:>20} |",
+            self.model,
+            human_bytes(self.size),
+            params,
+            self.backend,
+            self.threads,
+            row.test,
+            format!("{:.2} ± {:.2}", row.tokens_per_s, row.sd),
+        )
+    }
+
+    fn json(&self, row: &Row, prefix: usize) -> serde_json::Value {
+        row_json(row, prefix, self.threads, &self.backend, self.kernels)
+    }
+
+    fn csv(&self, r: &Row, prefix: usize) -> String {
+        format!(
+            "\"{}\",{},{},{},{},{},{},{},{},{:.4},{:.4},{:.4}",
+            self.model,
+            self.size,
+            self.params,
+            self.backend,
+            self.threads,
+            self.kernels,
+            r.test,
+            r.n,
+            prefix,
+            r.tokens_per_s,
+            r.sd,
+            r.ms_per_forward
+        )
+    }
 }
 
 /// `n` new tokens in one forward over `prefix` cached entries, `reps` timed runs after a
