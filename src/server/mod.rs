@@ -105,120 +105,37 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let st = state.load.stats();
     let queued = state.load.queued.load(Ordering::SeqCst);
+    let n = |v: u64| v.to_string();
+    let secs = |v: f64| format!("{v:.6}");
+    let (counter, gauge) = ("counter", "gauge");
+    // Prometheus's text format: name, type, help, value (one metric a line).
+    #[rustfmt::skip]
+    let rows = [
+        ("requests_finished_total", counter, "Requests answered in full.", n(st.requests_finished)),
+        ("requests_cancelled_total", counter, "Requests cancelled (client gone, stop string, shutdown).", n(st.requests_cancelled)),
+        ("requests_failed_total", counter, "Requests that failed after being queued.", n(st.requests_failed)),
+        ("tokens_generated_total", counter, "Answer tokens generated.", n(st.tokens_generated)),
+        ("prompt_tokens_total", counter, "Prompt tokens of admitted requests.", n(st.prompt_tokens)),
+        ("prompt_tokens_cached_total", counter, "Prompt tokens taken from cached prompts.", n(st.prompt_tokens_reused)),
+        ("forwards_total", counter, "Forward calls (each serving every running request).", n(st.forwards)),
+        ("forward_tokens_total", counter, "Tokens fed through the model.", n(st.forward_tokens)),
+        ("forward_logit_rows_total", counter, "Rows of logits computed (each a product with the whole output layer).", n(st.forward_logit_rows)),
+        ("forward_seconds_total", counter, "Seconds spent in forwards.", secs(st.forward_seconds)),
+        ("feed_seconds_total", counter, "Seconds spent handing the forwards' logits to the decoders (argmax, probabilities).", secs(st.feed_seconds)),
+        ("requests_running", gauge, "Requests decoding now.", n(st.running as u64)),
+        ("requests_waiting", gauge, "Requests waiting for room in the scheduler or the queue.", n((st.waiting + queued) as u64)),
+        ("batch_tokens", gauge, "Tokens in the last forward.", n(st.last_batch_tokens as u64)),
+        ("batch_requests", gauge, "Requests served by the last forward.", n(st.last_batch_requests as u64)),
+        ("kv_entries_used", gauge, "KV cache entries in use (sequences and cached prompts).", n(st.kv_used as u64)),
+        ("kv_entries", gauge, "KV cache entries in all.", n(st.kv_capacity as u64)),
+        ("cached_prompts", gauge, "Prompts kept for reuse.", n(st.cached_prompts as u64)),
+    ];
     let mut out = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, value: String| {
+    for (name, kind, help, value) in rows {
         out.push_str(&format!(
             "# HELP refusion_{name} {help}\n# TYPE refusion_{name} {kind}\nrefusion_{name} {value}\n"
         ));
-    };
-    metric(
-        "requests_finished_total",
-        "counter",
-        "Requests answered in full.",
-        st.requests_finished.to_string(),
-    );
-    metric(
-        "requests_cancelled_total",
-        "counter",
-        "Requests cancelled (client gone, stop string, shutdown).",
-        st.requests_cancelled.to_string(),
-    );
-    metric(
-        "requests_failed_total",
-        "counter",
-        "Requests that failed after being queued.",
-        st.requests_failed.to_string(),
-    );
-    metric(
-        "tokens_generated_total",
-        "counter",
-        "Answer tokens generated.",
-        st.tokens_generated.to_string(),
-    );
-    metric(
-        "prompt_tokens_total",
-        "counter",
-        "Prompt tokens of admitted requests.",
-        st.prompt_tokens.to_string(),
-    );
-    metric(
-        "prompt_tokens_cached_total",
-        "counter",
-        "Prompt tokens taken from cached prompts.",
-        st.prompt_tokens_reused.to_string(),
-    );
-    metric(
-        "forwards_total",
-        "counter",
-        "Forward calls (each serving every running request).",
-        st.forwards.to_string(),
-    );
-    metric(
-        "forward_tokens_total",
-        "counter",
-        "Tokens fed through the model.",
-        st.forward_tokens.to_string(),
-    );
-    metric(
-        "forward_logit_rows_total",
-        "counter",
-        "Rows of logits computed (each a product with the whole output layer).",
-        st.forward_logit_rows.to_string(),
-    );
-    metric(
-        "forward_seconds_total",
-        "counter",
-        "Seconds spent in forwards.",
-        format!("{:.6}", st.forward_seconds),
-    );
-    metric(
-        "feed_seconds_total",
-        "counter",
-        "Seconds spent handing the forwards' logits to the decoders (argmax, probabilities).",
-        format!("{:.6}", st.feed_seconds),
-    );
-    metric(
-        "requests_running",
-        "gauge",
-        "Requests decoding now.",
-        st.running.to_string(),
-    );
-    metric(
-        "requests_waiting",
-        "gauge",
-        "Requests waiting for room in the scheduler or the queue.",
-        (st.waiting + queued).to_string(),
-    );
-    metric(
-        "batch_tokens",
-        "gauge",
-        "Tokens in the last forward.",
-        st.last_batch_tokens.to_string(),
-    );
-    metric(
-        "batch_requests",
-        "gauge",
-        "Requests served by the last forward.",
-        st.last_batch_requests.to_string(),
-    );
-    metric(
-        "kv_entries_used",
-        "gauge",
-        "KV cache entries in use (sequences and cached prompts).",
-        st.kv_used.to_string(),
-    );
-    metric(
-        "kv_entries",
-        "gauge",
-        "KV cache entries in all.",
-        st.kv_capacity.to_string(),
-    );
-    metric(
-        "cached_prompts",
-        "gauge",
-        "Prompts kept for reuse.",
-        st.cached_prompts.to_string(),
-    );
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 
