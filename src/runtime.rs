@@ -293,77 +293,24 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
     let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
     // The tokenizer (a vocabulary and merge table to build) loads beside the weights; its
     // errors still come first.
-    let (tokenizer, model, plan, context, device) = std::thread::scope(|scope| {
+    let (tokenizer, weights) = std::thread::scope(|scope| {
         let tokenizer = scope.spawn(|| Tokenizer::from_gguf(&file.header));
-        let rest = (|| -> Result<(Qwen3, MemoryPlan, usize, Device)> {
-            let device = opts.device.open()?;
-            let cfg = Qwen3Config::from_gguf(&file.header).map_err(in_file)?;
-            let context = match opts.context {
-                Some(0) if cfg.context_length > MAX_CONTEXT => {
-                    return Err(Error::msg(format!(
-                        "-c 0 asks for the trained context, qwen3.context_length = {}, beyond the                          most refusion runs ({MAX_CONTEXT}); give -c",
-                        cfg.context_length
-                    )))
-                }
-                Some(0) => cfg.context_length,
-                Some(n) if n > MAX_CONTEXT => {
-                    return Err(Error::msg(format!(
-                        "-c {n} is beyond the most refusion runs ({MAX_CONTEXT})"
-                    )))
-                }
-                Some(n) => n,
-                None => DEFAULT_CONTEXT.min(cfg.context_length),
-            };
-            if context > cfg.context_length {
-                eprintln!(
-                    "warning: the context ({context} tokens) is beyond what the model was \
-                     trained on ({}); positions past it may give poor answers",
-                    cfg.context_length
-                );
-            }
-            let gpu = gpu_info(&device);
-            if gpu.is_none() {
-                if let Some(GpuLayers::Count(n)) =
-                    opts.gpu_layers.filter(|&l| l != GpuLayers::Count(0))
-                {
-                    eprintln!("warning: -ngl {n} has no effect: running on the CPU");
-                }
-            }
-            // Place the layers and check every device's share before allocating anything.
-            let sizes = ModelSizes::from_gguf(&file.header, &cfg, opts.cache_type);
-            let request = PlanRequest {
-                gpu,
-                layers: opts.gpu_layers.unwrap_or(GpuLayers::Auto),
-                host_available: available_memory(),
-                kv_in_file: opts.kv_file.is_some(),
-                context,
-                ubatch: opts.ubatch,
-            };
-            let plan = MemoryPlan::new(&sizes, &request)
-                .map_err(|r| in_file(Error::msg(format!("{}\n{}", r.reason, r.plan))))?;
-            if plan.gpu.is_some() || opts.verbose {
-                eprintln!("{plan}");
-            }
-            let offload = (plan.gpu_layers > 0 || plan.output_on_gpu).then(|| Offload {
-                device: device.clone(),
-                layers: plan.gpu_layers,
-                output: plan.output_on_gpu,
-            });
-            let mut model =
-                Qwen3::load_with(file.clone(), offload, !opts.no_mmap).map_err(in_file)?;
-            model.set_ubatch(plan.ubatch);
-            Ok((model, plan, context, device))
-        })();
+        let weights = load_weights(opts, &file);
         let tokenizer = tokenizer
             .join()
-            .map_err(|_| Error::msg("building the tokenizer failed"))?
-            .map_err(in_file)?;
-        let (model, plan, context, device) = rest?;
-        Ok::<_, Error>((tokenizer, model, plan, context, device))
-    })?;
+            .map_err(|_| Error::internal("building the tokenizer panicked"));
+        (tokenizer, weights)
+    });
+    let tokenizer = tokenizer?.map_err(in_file)?;
+    let Weights {
+        model,
+        plan,
+        context,
+        device,
+    } = weights.map_err(in_file)?;
     let cfg = model.config();
     if tokenizer.vocab_size() > cfg.vocab {
-        return Err(in_file(Error::msg(format!(
+        return Err(in_file(Error::model(format!(
             "the tokenizer has {} tokens but the model only {} embedding rows",
             tokenizer.vocab_size(),
             cfg.vocab
@@ -394,6 +341,85 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
         kv_file: opts.kv_file.clone(),
         verbose: opts.verbose,
     })
+}
+
+/// The model's weights, placed by the memory plan.
+struct Weights {
+    model: Qwen3,
+    plan: MemoryPlan,
+    context: usize,
+    device: Device,
+}
+
+/// The config, the context, the memory plan (checked before anything is allocated), then the
+/// weights where the plan puts them.
+fn load_weights(opts: &LoadOptions, file: &Arc<GgufFile>) -> Result<Weights> {
+    let device = opts.device.open()?;
+    let cfg = Qwen3Config::from_gguf(&file.header)?;
+    let context = context_for(opts.context, &cfg)?;
+    let gpu = gpu_info(&device);
+    if gpu.is_none() {
+        if let Some(GpuLayers::Count(n)) = opts.gpu_layers.filter(|&l| l != GpuLayers::Count(0)) {
+            eprintln!("warning: -ngl {n} has no effect: running on the CPU");
+        }
+    }
+    let sizes = ModelSizes::from_gguf(&file.header, &cfg, opts.cache_type);
+    let request = PlanRequest {
+        gpu,
+        layers: opts.gpu_layers.unwrap_or(GpuLayers::Auto),
+        host_available: available_memory(),
+        kv_in_file: opts.kv_file.is_some(),
+        context,
+        ubatch: opts.ubatch,
+    };
+    let plan = MemoryPlan::new(&sizes, &request)
+        .map_err(|r| Error::msg(format!("{}\n{}", r.reason, r.plan)))?;
+    if plan.gpu.is_some() || opts.verbose {
+        eprintln!("{plan}");
+    }
+    let offload = (plan.gpu_layers > 0 || plan.output_on_gpu).then(|| Offload {
+        device: device.clone(),
+        layers: plan.gpu_layers,
+        output: plan.output_on_gpu,
+    });
+    let mut model = Qwen3::load_with(file.clone(), offload, !opts.no_mmap)?;
+    model.set_ubatch(plan.ubatch);
+    Ok(Weights {
+        model,
+        plan,
+        context,
+        device,
+    })
+}
+
+/// The context `-c` asks for: 0 the trained one, none the default (or the trained one if
+/// smaller); never beyond [`MAX_CONTEXT`], and a warning beyond the trained one.
+fn context_for(asked: Option<usize>, cfg: &Qwen3Config) -> Result<usize> {
+    let context = match asked {
+        Some(0) if cfg.context_length > MAX_CONTEXT => {
+            return Err(Error::msg(format!(
+                "-c 0 asks for the trained context, qwen3.context_length = {}, beyond the most \
+                 refusion runs ({MAX_CONTEXT}); give -c",
+                cfg.context_length
+            )))
+        }
+        Some(0) => cfg.context_length,
+        Some(n) if n > MAX_CONTEXT => {
+            return Err(Error::msg(format!(
+                "-c {n} is beyond the most refusion runs ({MAX_CONTEXT})"
+            )))
+        }
+        Some(n) => n,
+        None => DEFAULT_CONTEXT.min(cfg.context_length),
+    };
+    if context > cfg.context_length {
+        eprintln!(
+            "warning: the context ({context} tokens) is beyond what the model was trained on \
+             ({}); positions past it may give poor answers",
+            cfg.context_length
+        );
+    }
+    Ok(context)
 }
 
 #[cfg(test)]
