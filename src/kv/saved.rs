@@ -20,13 +20,84 @@ const SAVE_MAGIC: &[u8; 4] = super::claim::PREFIX_MAGIC;
 const SAVE_VERSION: u32 = 1;
 const SAVE_HEADER: usize = 4 + 4 + 8 + 4 * 4 + 8 * 3;
 
+/// The file's fixed header, after its magic.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Header {
+    version: u32,
+    model_hash: u64,
+    ty: CacheType,
+    /// Layers, KV heads and head size of the cache it was saved from.
+    shape: (usize, usize, usize),
+    entries: u64,
+    extra_len: u64,
+    checksum: u64,
+}
+
+impl Header {
+    fn to_bytes(self) -> Vec<u8> {
+        let mut h = Vec::with_capacity(SAVE_HEADER);
+        h.extend_from_slice(SAVE_MAGIC);
+        h.extend_from_slice(&self.version.to_le_bytes());
+        h.extend_from_slice(&self.model_hash.to_le_bytes());
+        let (nl, nkv, hd) = self.shape;
+        for v in [matches!(self.ty, CacheType::F16) as usize, nl, nkv, hd] {
+            h.extend_from_slice(&(v as u32).to_le_bytes());
+        }
+        for v in [self.entries, self.extra_len, self.checksum] {
+            h.extend_from_slice(&v.to_le_bytes());
+        }
+        h
+    }
+
+    /// The header of `bytes` (at least [`SAVE_HEADER`] long, the magic checked).
+    fn parse(bytes: &[u8]) -> Header {
+        let u32_at =
+            |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
+        let u64_at = |o: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&bytes[o..o + 8]);
+            u64::from_le_bytes(a)
+        };
+        Header {
+            version: u32_at(4),
+            model_hash: u64_at(8),
+            ty: if u32_at(16) == 1 {
+                CacheType::F16
+            } else {
+                CacheType::F32
+            },
+            shape: (
+                u32_at(20) as usize,
+                u32_at(24) as usize,
+                u32_at(28) as usize,
+            ),
+            entries: u64_at(32),
+            extra_len: u64_at(40),
+            checksum: u64_at(48),
+        }
+    }
+
+    /// The file's size as the header describes it (`None` on overflow).
+    fn file_len(&self, entry_bytes: u64) -> Option<u64> {
+        let (nl, nkv, _) = self.shape;
+        let n_heads = (nl * 2 * nkv) as u64;
+        let payload = self
+            .entries
+            .checked_mul(n_heads.checked_mul(entry_bytes)?)?;
+        self.entries
+            .checked_mul(8)?
+            .checked_add(self.extra_len)?
+            .checked_add(payload)?
+            .checked_add(SAVE_HEADER as u64)
+    }
+}
+
 impl KvCache {
     /// Writes the default sequence's shared entries at positions `0..tokens.len()` (their K/V,
     /// positions and tokens) and `extra` to `path`, atomically (a temporary file, then a
     /// rename). The path must be absent, empty or a saved prefix already
     /// ([`super::claim::claim`]): any other file is left as it is. `model_hash` ties the file to
-    /// the model
-    /// ([`refusion_gguf::GgufFile::layout_hash`]).
+    /// the model ([`refusion_gguf::GgufFile::layout_hash`]).
     pub fn save_prefix(
         &self,
         path: &Path,
@@ -35,7 +106,62 @@ impl KvCache {
         extra: &[u8],
     ) -> Result<()> {
         super::claim::claim(path, super::claim::CacheFile::Prefix, None)?;
-        let n = tokens.len();
+        let slots = self.prefix_slots(tokens.len())?;
+        // Device layers come first in the file (layer order): copy their entries back once.
+        let device_payload = self.device.entries_le(&slots)?;
+        let tokens_le: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let positions_le: Vec<u8> = slots
+            .iter()
+            .flat_map(|&s| self.cells.slot_position(s).to_le_bytes())
+            .collect();
+        let parts = [
+            &tokens_le[..],
+            &positions_le[..],
+            extra,
+            &device_payload[..],
+        ];
+        // The K/V entries are read straight from the cache, once for the checksum and once for
+        // the file: no copy of the payload is built.
+        let mut sum = refusion_gguf::Fnv1a::default();
+        for part in parts {
+            sum.update(part);
+        }
+        self.for_each_host_entry(&slots, |e| {
+            sum.update(e);
+            Ok(())
+        })?;
+        let header = Header {
+            version: SAVE_VERSION,
+            model_hash,
+            ty: self.ty,
+            shape: (
+                self.shape.n_layers,
+                self.shape.n_kv_heads,
+                self.shape.head_dim,
+            ),
+            entries: tokens.len() as u64,
+            extra_len: extra.len() as u64,
+            checksum: sum.finish(),
+        };
+        let io = |e: std::io::Error| Error::File(refusion_gguf::Error::io(path, e));
+        let mut out = refusion_convert::output::AtomicFile::create(path)?;
+        {
+            use std::io::Write;
+            let mut w = std::io::BufWriter::new(out.file());
+            w.write_all(&header.to_bytes()).map_err(io)?;
+            for part in parts {
+                w.write_all(part).map_err(io)?;
+            }
+            self.for_each_host_entry(&slots, |e| w.write_all(e).map_err(io))?;
+            w.flush().map_err(io)?;
+        }
+        out.commit()?;
+        Ok(())
+    }
+
+    /// The slots of the default sequence's shared entries at positions `0..n` (all of them
+    /// must be there).
+    fn prefix_slots(&self, n: usize) -> Result<Vec<usize>> {
         let slots: Vec<usize> = self
             .cells
             .segments(SeqId::DEFAULT)?
@@ -49,68 +175,20 @@ impl KvCache {
                 slots.len()
             )));
         }
-        // Device layers come first in the file (layer order): copy their entries back once.
-        let device_payload = self.device.entries_le(&slots)?;
-        let tokens_le: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        let positions_le: Vec<u8> = slots
-            .iter()
-            .flat_map(|&s| self.cells.slot_position(s).to_le_bytes())
-            .collect();
-        // The K/V entries are read straight from the cache, once for the checksum and once for
-        // the file: no copy of the payload is built.
-        let heads = self.host.heads();
-        let mut sum = refusion_gguf::Fnv1a::default();
-        for part in [
-            &tokens_le[..],
-            &positions_le[..],
-            extra,
-            &device_payload[..],
-        ] {
-            sum.update(part);
-        }
-        for head in 0..heads {
-            for &s in &slots {
-                sum.update(self.host.entry_raw(head, s));
-            }
-        }
-        let mut header = Vec::with_capacity(SAVE_HEADER);
-        header.extend_from_slice(SAVE_MAGIC);
-        header.extend_from_slice(&SAVE_VERSION.to_le_bytes());
-        header.extend_from_slice(&model_hash.to_le_bytes());
-        for v in [
-            matches!(self.ty, CacheType::F16) as u32,
-            self.shape.n_layers as u32,
-            self.shape.n_kv_heads as u32,
-            self.shape.head_dim as u32,
-        ] {
-            header.extend_from_slice(&v.to_le_bytes());
-        }
-        header.extend_from_slice(&(n as u64).to_le_bytes());
-        header.extend_from_slice(&(extra.len() as u64).to_le_bytes());
-        header.extend_from_slice(&sum.finish().to_le_bytes());
+        Ok(slots)
+    }
 
-        let io = |e: std::io::Error| Error::File(refusion_gguf::Error::io(path, e));
-        let mut out = refusion_convert::output::AtomicFile::create(path)?;
-        {
-            use std::io::Write;
-            let mut w = std::io::BufWriter::new(out.file());
-            for part in [
-                &header[..],
-                &tokens_le[..],
-                &positions_le[..],
-                extra,
-                &device_payload[..],
-            ] {
-                w.write_all(part).map_err(io)?;
+    /// The mapped layers' entries of `slots`, head after head, as the file holds them.
+    fn for_each_host_entry(
+        &self,
+        slots: &[usize],
+        mut f: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        for head in 0..self.host.heads() {
+            for &s in slots {
+                f(self.host.entry_raw(head, s))?;
             }
-            for head in 0..heads {
-                for &s in &slots {
-                    w.write_all(self.host.entry_raw(head, s)).map_err(io)?;
-                }
-            }
-            w.flush().map_err(io)?;
         }
-        out.commit()?;
         Ok(())
     }
 
@@ -132,72 +210,60 @@ impl KvCache {
         if bytes.len() < SAVE_HEADER || &bytes[..4] != SAVE_MAGIC {
             return Err(bad("not a refusion KV cache file"));
         }
-        let u32_at =
-            |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
-        let u64_at = |o: usize| {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(&bytes[o..o + 8]);
-            u64::from_le_bytes(a)
-        };
-        if u32_at(4) != SAVE_VERSION {
-            return Err(bad(&format!("unsupported version {}", u32_at(4))));
-        }
-        if u64_at(8) != model_hash {
-            return Err(bad("it was saved for another model"));
-        }
-        let ty = if u32_at(16) == 1 {
-            CacheType::F16
-        } else {
-            CacheType::F32
-        };
-        if ty != self.ty {
-            return Err(bad(&format!(
-                "it holds a {ty:?} cache, this run uses {:?}",
-                self.ty
-            )));
-        }
-        let (nl, nkv, hd) = (
-            u32_at(20) as usize,
-            u32_at(24) as usize,
-            u32_at(28) as usize,
-        );
-        if (nl, nkv, hd)
-            != (
-                self.shape.n_layers,
-                self.shape.n_kv_heads,
-                self.shape.head_dim,
-            )
-        {
-            return Err(bad("its cache shape differs from the model's"));
-        }
-        let n = u64_at(32);
-        let extra_len = u64_at(40);
-        let checksum = u64_at(48);
-        let es = self.ty.size() as u64;
-        let n_heads = (nl * 2 * nkv) as u64;
-        let expected = (n.checked_mul(8))
-            .and_then(|a| a.checked_add(extra_len))
-            .and_then(|a| {
-                n.checked_mul(n_heads * hd as u64 * es)
-                    .and_then(|p| a.checked_add(p))
-            })
-            .and_then(|a| a.checked_add(SAVE_HEADER as u64));
-        if expected != Some(bytes.len() as u64) {
+        let h = Header::parse(bytes);
+        self.check_header(&h, model_hash).map_err(|m| bad(&m))?;
+        if h.file_len(self.entry_bytes() as u64) != Some(bytes.len() as u64) {
             return Err(bad(
                 "the file is truncated or corrupt (its size does not match its header)",
             ));
         }
         let body = &bytes[SAVE_HEADER..];
-        if refusion_gguf::fnv1a(body) != checksum {
+        if refusion_gguf::fnv1a(body) != h.checksum {
             return Err(bad("the file is corrupt (checksum mismatch)"));
         }
-        let n = n as usize;
+        let n = h.entries as usize;
         if n > self.available() {
             return Err(bad(&format!(
                 "it holds {n} entries, more than the context ({})",
                 self.shape.capacity
             )));
         }
+        self.restore(body, n, h.extra_len as usize)
+            .map_err(|e| match e {
+                Error::Msg(m) => bad(&m),
+                e => e,
+            })
+    }
+
+    /// Bytes of one entry of one head.
+    fn entry_bytes(&self) -> usize {
+        self.shape.head_dim * self.ty.size()
+    }
+
+    /// Whether a file's header fits this model and cache: the mismatch in words if not.
+    fn check_header(&self, h: &Header, model_hash: u64) -> std::result::Result<(), String> {
+        if h.version != SAVE_VERSION {
+            return Err(format!("unsupported version {}", h.version));
+        }
+        if h.model_hash != model_hash {
+            return Err("it was saved for another model".into());
+        }
+        if h.ty != self.ty {
+            return Err(format!(
+                "it holds a {:?} cache, this run uses {:?}",
+                h.ty, self.ty
+            ));
+        }
+        let s = &self.shape;
+        if h.shape != (s.n_layers, s.n_kv_heads, s.head_dim) {
+            return Err("its cache shape differs from the model's".into());
+        }
+        Ok(())
+    }
+
+    /// The body of a checked file (`n` entries, `extra_len` bytes of caller data) into the
+    /// default sequence.
+    fn restore(&mut self, body: &[u8], n: usize, extra_len: usize) -> Result<SavedPrefix> {
         let rd = |o: usize| u32::from_le_bytes([body[o], body[o + 1], body[o + 2], body[o + 3]]);
         let tokens: Vec<u32> = (0..n).map(|i| rd(4 * i)).collect();
         let positions: Vec<u32> = (0..n).map(|i| rd(4 * (n + i))).collect();
@@ -205,17 +271,16 @@ impl KvCache {
         for &p in &positions {
             match seen.get_mut(p as usize) {
                 Some(s) if !*s => *s = true,
-                _ => return Err(bad("its positions are not 0..n")),
+                _ => return Err(Error::msg("its positions are not 0..n")),
             }
         }
-        let extra_start = 8 * n;
-        let extra = body[extra_start..extra_start + extra_len as usize].to_vec();
-        let payload = &body[extra_start + extra_len as usize..];
+        let extra = body[8 * n..8 * n + extra_len].to_vec();
+        let payload = &body[8 * n + extra_len..];
         let dst = self.cells.set_shared(SeqId::DEFAULT, &positions)?;
         // Device layers first (layer order), each as K then V, `[n_kv_heads, n, head_dim]`.
         let device_bytes = self.device.load_le(payload, n, dst)?;
         let payload = &payload[device_bytes..];
-        let entry_bytes = hd * es as usize;
+        let entry_bytes = self.entry_bytes();
         for head in 0..self.host.heads() {
             for e in 0..n {
                 let src = (head * n + e) * entry_bytes;
