@@ -1,6 +1,5 @@
 //! `refusion generate`: one answer from a prompt, streamed as the committed prefix grows.
 
-use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
@@ -11,9 +10,10 @@ use refusion_gguf::decoding::{KEY_GEN_LENGTH, KEY_SERIAL_BLOCKS, KEY_SLOT_SIZE, 
 use refusion_gguf::DecodingDefaults;
 use refusion_gguf::{GgufHeader, Value};
 
+use super::answer::{Output, Report};
 use super::model_args::ModelArgs;
-use crate::chat::{ChatTemplate, Message, TextStream, Tokenizer};
-use crate::decode::{DecodeParams, Event};
+use crate::chat::{ChatTemplate, Message, Tokenizer};
+use crate::decode::DecodeParams;
 use crate::kv::claim::{claim, CacheFile};
 use crate::runtime::load;
 use crate::session::Session;
@@ -45,10 +45,10 @@ pub struct GenerateArgs {
     decode: DecodeArgs,
     /// Print one JSON object with the tokens, text and figures instead of streaming text.
     #[arg(long)]
-    json: bool,
+    pub(super) json: bool,
     /// Show the canvas live: masks, drafts, verified and committed slots.
     #[arg(long)]
-    visual: bool,
+    pub(super) visual: bool,
     /// Save the prompt's KV cache to this file, and reuse it when a later prompt starts with
     /// the same tokens (llama.cpp's --prompt-cache).
     #[arg(long, value_name = "FILE")]
@@ -303,47 +303,8 @@ pub fn prompt_tokens(
     Ok(tokenizer.encode(&template.render(&messages, true)?)?)
 }
 
-/// The `--visual` canvas: one cell per generated position.
-struct Canvas {
-    prompt_len: u32,
-    cells: Vec<(char, String)>,
-}
-
-impl Canvas {
-    fn set(&mut self, pos: u32, state: char, text: String) {
-        if let Some(c) = self.cells.get_mut((pos - self.prompt_len) as usize) {
-            if c.0 != 'C' {
-                *c = (state, text);
-            }
-        }
-    }
-
-    fn draw(&self, out: &mut impl Write) {
-        let mut s = String::from("\x1b[2J\x1b[H");
-        for (state, text) in &self.cells {
-            let shown = text.replace('\n', "⏎");
-            match state {
-                'C' => s.push_str(&shown),
-                'V' => s.push_str(&format!("\x1b[32m{shown}\x1b[0m")),
-                'D' => s.push_str(&format!("\x1b[2m{shown}\x1b[0m")),
-                _ => s.push('░'),
-            }
-        }
-        s.push_str(
-            "\n\n\x1b[0mcommitted  \x1b[32mverified\x1b[0m  \x1b[2mdrafted\x1b[0m  ░ masked\n",
-        );
-        let _ = out.write_all(s.as_bytes());
-        let _ = out.flush();
-    }
-}
-
 fn parse_strategy(s: &str) -> std::result::Result<crate::decode::Kind, String> {
     s.parse()
-}
-
-/// An f32 as the f64 with the same shortest decimal form (0.6, not 0.6000000238).
-fn as_f64(x: f32) -> f64 {
-    x.to_string().parse().unwrap_or(x as f64)
 }
 
 /// The text of `-f FILE` (`-f -`: standard input), read before the model loads.
@@ -478,172 +439,5 @@ impl GenerateArgs {
             );
         }
         Ok(session)
-    }
-}
-
-/// Where the answer goes as it decodes: streamed text, or the `--visual` canvas, or nothing
-/// until the end (`--json`).
-struct Output<'t> {
-    visual: bool,
-    stream: bool,
-    streamer: TextStream<'t>,
-    canvas: Canvas,
-    tok: &'t Tokenizer,
-    stdout: std::io::Stdout,
-}
-
-impl<'t> Output<'t> {
-    fn new(a: &GenerateArgs, tok: &'t Tokenizer, prompt: &[u32], params: &DecodeParams) -> Self {
-        // The canvas is drawn with escape codes: only on a terminal.
-        let visual = a.visual && !a.json && std::io::stdout().is_terminal();
-        if a.visual && !a.json && !visual {
-            eprintln!("note: --visual needs a terminal; printing the answer as text");
-        }
-        let gen = params.padded_gen_length() as usize;
-        Output {
-            visual,
-            stream: !a.json && !visual,
-            streamer: TextStream::new(tok, prompt.len(), params.eos_id),
-            canvas: Canvas {
-                prompt_len: prompt.len() as u32,
-                cells: vec![(' ', String::new()); gen],
-            },
-            tok,
-            stdout: std::io::stdout(),
-        }
-    }
-
-    fn piece(&self, t: u32) -> String {
-        self.tok.decode(&[t], false).unwrap_or_default()
-    }
-
-    fn event(&mut self, ev: Event<'_>) {
-        match ev {
-            Event::Committed { positions, tokens } if self.visual => {
-                for (&p, &t) in positions.iter().zip(tokens) {
-                    self.canvas.set(p, 'C', self.piece(t));
-                }
-            }
-            Event::Committed { positions, tokens } if self.stream => {
-                if let Some(text) = self.streamer.push(positions, tokens) {
-                    let _ = self.stdout.write_all(text.as_bytes());
-                    let _ = self.stdout.flush();
-                }
-                return;
-            }
-            Event::Planned {
-                slot_starts,
-                slot_size,
-                tokens,
-            } if self.visual => {
-                for (s, &start) in slot_starts.iter().enumerate() {
-                    for j in 0..slot_size {
-                        let piece = self.piece(tokens[s * slot_size + j]);
-                        self.canvas.set(start + j as u32, 'D', piece);
-                    }
-                }
-            }
-            Event::Infill {
-                slot_starts,
-                tokens,
-                tags,
-            } if self.visual => {
-                for (r, &start) in slot_starts.iter().enumerate() {
-                    for (j, &t) in tokens[r].iter().enumerate() {
-                        let state = if tags[r][j] { 'V' } else { 'D' };
-                        self.canvas.set(start + j as u32, state, self.piece(t));
-                    }
-                }
-            }
-            _ => return,
-        }
-        self.canvas.draw(&mut self.stdout);
-    }
-
-    /// The streamed text's held-back tail.
-    fn finish(&mut self) {
-        if self.stream {
-            if let Some(tail) = self.streamer.finish() {
-                let _ = self.stdout.write_all(tail.as_bytes());
-            }
-        }
-    }
-}
-
-/// What a decode came to, for `--json` or the figures on stderr.
-struct Report<'r> {
-    result: &'r crate::decode::DecodeResult,
-    text: String,
-    prompt_tokens: usize,
-    cached: usize,
-    params: &'r DecodeParams,
-    load_s: f64,
-    decode_s: f64,
-    total_s: f64,
-}
-
-impl Report<'_> {
-    fn tokens_per_s(&self) -> f64 {
-        self.result.tokens.len() as f64 / self.decode_s.max(1e-9)
-    }
-
-    fn json(&self) -> serde_json::Value {
-        let (r, p) = (self.result, self.params);
-        serde_json::json!({
-            "tokens": r.tokens,
-            "positions": r.positions,
-            "text": self.text,
-            "answer_tokens": r.answer().len(),
-            "eos_found": r.eos_index.is_some(),
-            "tpf": r.tpf,
-            "forward_calls": r.forward_calls,
-            "forward_tokens": r.forward_tokens,
-            "forward_sizes": r.forward_sizes,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_prompt_tokens": self.cached,
-            "params": {
-                "gen_length": p.gen_length,
-                "slot_size": p.slot_size,
-                "serial_blocks": p.serial_blocks,
-                "slot_threshold": as_f64(p.slot_threshold),
-                "token_threshold": as_f64(p.token_threshold),
-                "temperature": p.temperature,
-                "seed": p.seed,
-                "strategy": p.strategy.name(),
-            },
-            "timings": {
-                "load_ms": self.load_s * 1e3,
-                "generate_ms": self.decode_s * 1e3,
-                "total_ms": self.total_s * 1e3,
-                "tokens_per_s": self.tokens_per_s(),
-            },
-        })
-    }
-
-    /// llama.cpp's figures on stderr.
-    fn print_stats(&self) {
-        let r = self.result;
-        eprintln!();
-        eprintln!("refusion: load time     = {:>10.2} ms", self.load_s * 1e3);
-        eprintln!(
-            "refusion: prompt        = {:>10} tokens",
-            self.prompt_tokens
-        );
-        eprintln!(
-            "refusion: generated     = {:>10} tokens ({}) in {:.2} ms, {:.2} tokens/s",
-            r.tokens.len(),
-            match r.eos_index {
-                Some(i) => format!("answer: {i} before EOS"),
-                None => "no EOS".to_string(),
-            },
-            self.decode_s * 1e3,
-            self.tokens_per_s()
-        );
-        eprintln!(
-            "refusion: forward calls = {:>10} ({:.1} tokens per call), TPF {:.3}",
-            r.forward_calls,
-            r.forward_tokens as f64 / r.forward_calls.max(1) as f64,
-            r.tpf
-        );
     }
 }

@@ -1,5 +1,6 @@
 //! The `refusion` command line.
 
+mod answer;
 mod batch;
 mod bench;
 mod chat;
