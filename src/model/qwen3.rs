@@ -171,6 +171,108 @@ impl Loader<'_> {
     }
 }
 
+/// Where each part of the model loads: the first `offload.layers` layers (and the output layer
+/// when `offload.output`) on the accelerator, the rest on the CPU.
+struct Places<'a> {
+    file: &'a Arc<GgufFile>,
+    offload: Option<&'a Offload>,
+    /// Read quantized CPU weights in place from the map (else copy them, `--no-mmap`).
+    mmap: bool,
+}
+
+impl Places<'_> {
+    fn loader(&self, on_gpu: bool) -> Loader<'_> {
+        let device = match (self.offload, on_gpu) {
+            (Some(o), true) => o.device.clone(),
+            _ => Device::Cpu,
+        };
+        Loader {
+            file: self.file,
+            device,
+            mmap: self.mmap,
+        }
+    }
+
+    fn n_gpu(&self) -> usize {
+        self.offload.map_or(0, |o| o.layers)
+    }
+
+    fn layer(&self, l: usize) -> Result<Layer> {
+        let ld = self.loader(l < self.n_gpu());
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        let m = |s: &str| ld.matmul(&n(s));
+        Layer {
+            index: l,
+            device: ld.device.clone(),
+            attn: Attention::new(
+                ld.vector(&n("attn_norm"))?,
+                [m("attn_q")?, m("attn_k")?, m("attn_v")?, m("attn_output")?],
+                ld.vector(&n("attn_q_norm"))?,
+                ld.vector(&n("attn_k_norm"))?,
+            ),
+            mlp: Mlp::new(
+                ld.vector(&n("ffn_norm"))?,
+                [m("ffn_gate")?, m("ffn_up")?, m("ffn_down")?],
+            ),
+        }
+        .with_host_norms()
+    }
+
+    /// Every layer: the device ones in order, then the CPU ones on one thread per core, each
+    /// packed for candle's x86 kernels right away (the single-threaded repacking would
+    /// otherwise run on one core, during the first forward; not on our worker pool: the
+    /// packing products call into candle's, which must not nest).
+    fn layers(&self, n_layers: usize) -> Result<Vec<Layer>> {
+        let n_gpu = self.n_gpu();
+        let mut loaded: Vec<(usize, Result<Layer>)> =
+            (0..n_gpu).map(|l| (l, self.layer(l))).collect();
+        let next = std::sync::atomic::AtomicUsize::new(n_gpu);
+        let workers = candle_core::utils::get_num_threads().clamp(1, n_layers.max(1));
+        std::thread::scope(|scope| -> Result<()> {
+            let handles: Vec<_> = (0..workers)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut mine = Vec::new();
+                        loop {
+                            let l = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            if l >= n_layers {
+                                return mine;
+                            }
+                            let r = self
+                                .layer(l)
+                                .and_then(|layer| layer.prepack().map(|_| layer));
+                            // Packed: what is still read of the originals comes back from the
+                            // page cache.
+                            release_prefix(self.file, &format!("blk.{l}."));
+                            mine.push((l, r));
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                let mine = h
+                    .join()
+                    .map_err(|_| Error::internal("loading a layer panicked"))?;
+                loaded.extend(mine);
+            }
+            Ok(())
+        })?;
+        loaded.sort_by_key(|&(l, _)| l);
+        loaded.into_iter().map(|(_, r)| r).collect()
+    }
+
+    /// The output norm and layer (`token_embd` when tied) and where they run.
+    fn output(&self, tied: bool) -> Result<(Tensor, Linear, Device)> {
+        let ld = self.loader(self.offload.is_some_and(|o| o.output));
+        let norm = ld.vector("output_norm.weight")?;
+        let name = if tied { "token_embd" } else { "output" };
+        let output = ld.matmul(&format!("{name}.weight"))?;
+        output.prepack()?;
+        release_prefix(self.file, &format!("{name}."));
+        Ok((norm, output, ld.device))
+    }
+}
+
 impl Qwen3 {
     /// Loads the weights of a validated qwen3 GGUF onto `device` (all of them on a GPU).
     pub fn load(file: Arc<GgufFile>, device: &Device) -> Result<Qwen3> {
@@ -211,100 +313,17 @@ impl Qwen3 {
             layers: o.layers.min(cfg.n_layers),
             ..o
         });
-        let on = |gpu: bool| match (&offload, gpu) {
-            (Some(o), true) => o.device.clone(),
-            _ => Device::Cpu,
-        };
-        let n_gpu = offload.as_ref().map_or(0, |o| o.layers);
-        let load_layer = |l: usize| -> Result<Layer> {
-            let ld = Loader {
-                file: &file,
-                device: on(l < n_gpu),
-                mmap,
-            };
-            let n = |s: &str| format!("blk.{l}.{s}.weight");
-            let m = |s: &str| ld.matmul(&n(s));
-            Layer {
-                index: l,
-                device: ld.device.clone(),
-                attn: Attention::new(
-                    ld.vector(&n("attn_norm"))?,
-                    [m("attn_q")?, m("attn_k")?, m("attn_v")?, m("attn_output")?],
-                    ld.vector(&n("attn_q_norm"))?,
-                    ld.vector(&n("attn_k_norm"))?,
-                ),
-                mlp: Mlp::new(
-                    ld.vector(&n("ffn_norm"))?,
-                    [m("ffn_gate")?, m("ffn_up")?, m("ffn_down")?],
-                ),
-            }
-            .with_host_norms()
-        };
-        let mut loaded: Vec<(usize, Result<Layer>)> =
-            (0..n_gpu).map(|l| (l, load_layer(l))).collect();
-        // CPU layers load on one thread per core, and each is packed for candle's x86
-        // kernels right away: the single-threaded repacking would otherwise run on one core,
-        // during the first forward. (Not on candle's barrier pool: the packing products call
-        // into it, which must not nest.)
-        let next = std::sync::atomic::AtomicUsize::new(n_gpu);
-        let workers = candle_core::utils::get_num_threads().clamp(1, cfg.n_layers.max(1));
-        std::thread::scope(|scope| -> Result<()> {
-            let handles: Vec<_> = (0..workers)
-                .map(|_| {
-                    scope.spawn(|| {
-                        let mut mine = Vec::new();
-                        loop {
-                            let l = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            if l >= cfg.n_layers {
-                                return mine;
-                            }
-                            let r = load_layer(l).and_then(|layer| layer.prepack().map(|_| layer));
-                            // Packed: what is still read of the originals comes back from the
-                            // page cache.
-                            release_prefix(&file, &format!("blk.{l}."));
-                            mine.push((l, r));
-                        }
-                    })
-                })
-                .collect();
-            for h in handles {
-                loaded.extend(
-                    h.join()
-                        .map_err(|_| Error::internal("loading a layer panicked"))?,
-                );
-            }
-            Ok(())
-        })?;
-        loaded.sort_by_key(|&(l, _)| l);
-        let layers = loaded
-            .into_iter()
-            .map(|(_, r)| r)
-            .collect::<Result<Vec<Layer>>>()?;
-        let ld = Loader {
+        let places = Places {
             file: &file,
-            device: on(offload.as_ref().is_some_and(|o| o.output)),
+            offload: offload.as_ref(),
             mmap,
         };
-        let output_norm = ld.vector("output_norm.weight")?;
-        let output = if cfg.tied_output {
-            ld.matmul("token_embd.weight")?
-        } else {
-            ld.matmul("output.weight")?
-        };
-        let output_device = ld.device;
-        output.prepack()?;
+        let layers = places.layers(cfg.n_layers)?;
+        let (output_norm, output, output_device) = places.output(cfg.tied_output)?;
         let output_norm_host = match (output_device.is_cpu(), output.weight()) {
             (true, Some(_)) => Some(output_norm.to_vec1::<f32>()?),
             _ => None,
         };
-        release_prefix(
-            &file,
-            if cfg.tied_output {
-                "token_embd."
-            } else {
-                "output."
-            },
-        );
         let hd = cfg.head_dim;
         let inv_freq = (0..hd / 2)
             .map(|i| 1.0f32 / cfg.rope_theta.powf((2 * i) as f32 / hd as f32))
