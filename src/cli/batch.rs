@@ -91,12 +91,93 @@ pub struct BatchRun<'a> {
     pub quiet: bool,
 }
 
-/// One request's text and stop strings as it decodes.
 struct Answer<'t> {
     stream: TextStream<'t>,
     text: String,
     stops: Vec<String>,
     stopped: bool,
+}
+
+impl Answer<'_> {
+    /// Adds committed tokens; true when a stop string was met (the text cut before it).
+    fn push(&mut self, positions: &[u32], tokens: &[u32]) -> bool {
+        if let Some(t) = self.stream.push(positions, tokens) {
+            self.text.push_str(&t);
+            let cut = self.stops.iter().filter_map(|s| self.text.find(s)).min();
+            if let Some(cut) = cut {
+                self.text.truncate(cut);
+                self.stopped = true;
+            }
+        }
+        self.stopped
+    }
+
+    fn finish(&mut self) {
+        if !self.stopped {
+            if let Some(t) = self.stream.finish() {
+                self.text.push_str(&t);
+            }
+        }
+    }
+}
+
+/// What every line's sink shares: each line's result in input order, the answer tokens so
+/// far, the progress bar.
+struct Tally {
+    results: RefCell<Vec<Option<Value>>>,
+    generated: RefCell<usize>,
+    bar: indicatif::ProgressBar,
+}
+
+/// Where a line is in the input: its index, its line number and its `id`.
+struct LineRef {
+    index: usize,
+    line_no: usize,
+    id: Value,
+}
+
+impl Tally {
+    fn fail(&self, at: &LineRef, msg: String) {
+        let v = json!({"index": at.index, "line": at.line_no, "id": at.id, "error": msg});
+        self.results.borrow_mut()[at.index] = Some(v);
+    }
+
+    /// The scheduler request of one line: its answer gathered, cut at a stop string (which
+    /// cancels the rest), and its result recorded when it ends.
+    fn request<'a>(
+        &'a self,
+        at: LineRef,
+        prompt: Vec<u32>,
+        params: DecodeParams,
+        mut answer: Answer<'a>,
+    ) -> Request<'a> {
+        let cancel = Arc::new(AtomicBool::new(false));
+        let flag = cancel.clone();
+        let prompt_tokens = prompt.len();
+        let sink = Box::new(move |u: Update<'_>| match u {
+            Update::Event(Event::Committed { positions, tokens }) => {
+                if answer.push(positions, tokens) {
+                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+            Update::Finished(r) => {
+                answer.finish();
+                let v = finished(at.index, at.line_no, &at.id, prompt_tokens, &answer, r);
+                if let Some(c) = v.get("answer_tokens").and_then(Value::as_u64) {
+                    *self.generated.borrow_mut() += c as usize;
+                }
+                self.results.borrow_mut()[at.index] = Some(v);
+                self.bar.inc(1);
+            }
+            _ => {}
+        });
+        Request {
+            prompt,
+            params,
+            cancel,
+            sink,
+        }
+    }
 }
 
 /// Runs every line and writes the results in input order (atomically into `output`).
@@ -110,110 +191,79 @@ pub fn run(loaded: &Loaded, lines: Vec<(usize, Value, Line)>, opts: &BatchRun<'_
         .map(ChatTemplate::new)
         .transpose()?;
     let n = lines.len();
-    let results: RefCell<Vec<Option<Value>>> = RefCell::new(vec![None; n]);
-    let generated = RefCell::new(0usize);
-    let bar = progress(n, opts.quiet);
+    let tally = Tally {
+        results: RefCell::new(vec![None; n]),
+        generated: RefCell::new(0),
+        bar: progress(n, opts.quiet),
+    };
     let cache = loaded.new_cache(loaded.context)?;
     let mut sched = Scheduler::new(&loaded.model, cache, opts.parallel);
     let mut out = Output::open(opts.output)?;
     let start = Instant::now();
     for (index, (line_no, id, line)) in lines.into_iter().enumerate() {
-        let fail = |msg: String| json!({"index": index, "line": line_no, "id": id, "error": msg});
+        let at = LineRef { index, line_no, id };
         let params = match line.knobs.params(&opts.base, loaded.context as u32) {
             Ok(p) => p,
             Err(e) => {
-                results.borrow_mut()[index] = Some(fail(e.message().to_string()));
+                tally.fail(&at, e.message().to_string());
                 continue;
             }
         };
         let prompt = match line_prompt(&line, tok, template.as_ref(), opts.use_template) {
             Ok(p) => p,
             Err(e) => {
-                results.borrow_mut()[index] = Some(fail(e.to_string()));
+                tally.fail(&at, e.to_string());
                 continue;
             }
         };
-        let stops = line
-            .knobs
-            .stop
-            .as_ref()
-            .map(|s| s.list())
-            .unwrap_or_default();
-        let cancel = Arc::new(AtomicBool::new(false));
-        let flag = cancel.clone();
-        let mut answer = Answer {
+        let answer = Answer {
             stream: TextStream::new(tok, prompt.len(), params.eos_id),
             text: String::new(),
-            stops,
+            stops: line
+                .knobs
+                .stop
+                .as_ref()
+                .map(|s| s.list())
+                .unwrap_or_default(),
             stopped: false,
         };
-        let prompt_tokens = prompt.len();
-        let (results, generated, bar) = (&results, &generated, &bar);
-        let sink = Box::new(move |u: Update<'_>| match u {
-            Update::Event(Event::Committed { positions, tokens }) => {
-                if let Some(t) = answer.stream.push(positions, tokens) {
-                    answer.text.push_str(&t);
-                    if let Some(cut) = answer
-                        .stops
-                        .iter()
-                        .filter_map(|s| answer.text.find(s))
-                        .min()
-                    {
-                        answer.text.truncate(cut);
-                        answer.stopped = true;
-                        flag.store(true, std::sync::atomic::Ordering::SeqCst);
-                    }
-                }
-            }
-            Update::Finished(r) => {
-                if !answer.stopped {
-                    if let Some(t) = answer.stream.finish() {
-                        answer.text.push_str(&t);
-                    }
-                }
-                let v = finished(index, line_no, &id, prompt_tokens, &answer, r);
-                if let Some(c) = v.get("answer_tokens").and_then(Value::as_u64) {
-                    *generated.borrow_mut() += c as usize;
-                }
-                results.borrow_mut()[index] = Some(v);
-                bar.inc(1);
-            }
-            _ => {}
-        });
-        sched.submit(Request {
-            prompt,
-            params,
-            cancel,
-            sink,
-        });
+        sched.submit(tally.request(at, prompt, params, answer));
     }
     let mut written = 0;
     loop {
         let more = sched.step();
-        written = out.write_ready(&results, written)?;
+        written = out.write_ready(&tally.results, written)?;
         if !more {
             break;
         }
     }
-    written = out.write_ready(&results, written)?;
+    written = out.write_ready(&tally.results, written)?;
     debug_assert_eq!(written, n);
     out.finish()?;
-    bar.finish_and_clear();
-    let secs = start.elapsed().as_secs_f64();
-    let st = sched.stats();
+    tally.bar.finish_and_clear();
     if !opts.quiet {
-        let tokens = *generated.borrow();
-        eprintln!(
-            "batch: {n} requests, {tokens} answer tokens in {secs:.2} s ({:.1} tokens/s), {} forwards of {:.1} tokens on average, {} prompt tokens of {} from cached prompts, -np {}",
-            tokens as f64 / secs.max(1e-9),
-            st.forwards,
-            st.forward_tokens as f64 / st.forwards.max(1) as f64,
-            st.prompt_tokens_reused,
-            st.prompt_tokens,
-            opts.parallel
+        let tokens = *tally.generated.borrow();
+        report(
+            n,
+            tokens,
+            start.elapsed().as_secs_f64(),
+            &sched.stats(),
+            opts.parallel,
         );
     }
     Ok(())
+}
+
+/// The batch's figures on stderr.
+fn report(n: usize, tokens: usize, secs: f64, st: &crate::sched::Stats, parallel: usize) {
+    eprintln!(
+        "batch: {n} requests, {tokens} answer tokens in {secs:.2} s ({:.1} tokens/s), {} forwards of {:.1} tokens on average, {} prompt tokens of {} from cached prompts, -np {parallel}",
+        tokens as f64 / secs.max(1e-9),
+        st.forwards,
+        st.forward_tokens as f64 / st.forwards.max(1) as f64,
+        st.prompt_tokens_reused,
+        st.prompt_tokens,
+    );
 }
 
 /// A line's prompt tokens.
