@@ -156,9 +156,8 @@ impl Tally {
         let prompt_tokens = prompt.len();
         let sink = Box::new(move |u: Update<'_>| match u {
             Update::Event(Event::Committed { positions, tokens }) => {
-                if answer.push(positions, tokens) {
-                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
-                }
+                let stopped = answer.push(positions, tokens);
+                flag.fetch_or(stopped, std::sync::atomic::Ordering::SeqCst);
             }
             Update::Finished(r) => {
                 answer.finish();
