@@ -248,15 +248,12 @@ fn a_slow_but_steady_client_is_not_cut_off_by_the_idle_timeout() {
 #[test]
 fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
     let tmp = tempfile::tempdir().unwrap();
-    // A small-vocabulary model whose long answers outlast the socket buffers.
     let model = fast_model(tmp.path());
     let server = Server::start(
         &model,
         &[
-            "-c",
-            "8192",
-            "--max-gen-length",
-            "4000",
+            "--max-body-bytes",
+            "4000000",
             "--max-connections",
             "3",
             "--header-timeout",
@@ -310,17 +307,24 @@ fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
     closed_within(&mut stalled[0], Duration::from_secs(10))
         .expect("the oldest stalled body kept its place");
     drop(stalled);
-    // Requests being answered are never evicted: with every place answering one (streams to
-    // clients that do not read, held until the idle timeout), others get 503, but /health is
-    // still answered.
+    // Requests being answered are never evicted: with every place answering one (a long text
+    // being tokenized, seconds each), others get 503, but /health is still answered.
+    let long_tokenize = format!(
+        r#"{{"content":"{}","with_pieces":true}}"#,
+        "hello world ".repeat(200_000)
+    );
     let answering: Vec<TcpStream> = (0..3)
         .map(|_| {
-            let mut s = connect_small_window(&server);
-            post_chat(&mut s, LONG);
+            let mut s = connect(&server);
+            let msg = format!(
+                "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{long_tokenize}",
+                long_tokenize.len()
+            );
+            s.write_all(msg.as_bytes()).unwrap();
             s
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(1500));
+    std::thread::sleep(Duration::from_millis(300));
     for _ in 0..20 {
         let (status, head, body) = request(&server, "GET", "/v1/models", &[], "");
         assert_eq!(status, 503, "{head}\n{body}");

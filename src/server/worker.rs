@@ -209,50 +209,16 @@ pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutd
             if st.running + st.waiting >= parallel {
                 break;
             }
-            let job = if sched.is_idle() {
-                // Idle: wait for a job, but end at shutdown even while some other answer (a
-                // /tokenize, say) still holds the queue's sender open.
-                match jobs.recv_timeout(std::time::Duration::from_millis(50)) {
-                    Ok(j) => j,
-                    Err(RecvTimeoutError::Timeout) if shutdown.requested() => {
-                        open = false;
-                        break;
-                    }
-                    Err(RecvTimeoutError::Timeout) => continue,
-                    Err(RecvTimeoutError::Disconnected) => {
-                        open = false;
-                        break;
+            match next_job(&jobs, sched.is_idle(), shutdown) {
+                Next::Job(job) => {
+                    load.queued.fetch_sub(1, Ordering::SeqCst);
+                    if let Some(req) = ctx.admit(*job) {
+                        sched.submit(req);
                     }
                 }
-            } else {
-                match jobs.try_recv() {
-                    Ok(j) => j,
-                    Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => {
-                        open = false;
-                        break;
-                    }
-                }
-            };
-            load.queued.fetch_sub(1, Ordering::SeqCst);
-            if job.cancel.load(Ordering::SeqCst) {
-                let _ = job.tx.send(Msg::End);
-                continue;
-            }
-            if !shutdown.begin(&job.cancel) {
-                shutdown.end(&job.cancel);
-                let _ = job.tx.send(Msg::Error(shutting_down()));
-                let _ = job.tx.send(Msg::End);
-                continue;
-            }
-            match ctx.request(job) {
-                Ok(req) => sched.submit(req),
-                Err(failed) => {
-                    let (job, e) = *failed;
-                    shutdown.end(&job.cancel);
-                    let _ = job.tx.send(Msg::Error(e));
-                    let _ = job.tx.send(Msg::End);
-                }
+                Next::Later => continue,
+                Next::None => break,
+                Next::Closed => open = false,
             }
         }
         if sched.is_idle() && !open {
@@ -260,6 +226,37 @@ pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutd
         }
         sched.step();
         *load.stats.lock().unwrap_or_else(|e| e.into_inner()) = sched.stats();
+    }
+}
+
+/// What the queue gave.
+enum Next {
+    Job(Box<Job>),
+    /// Nothing yet (idle, waiting): ask again.
+    Later,
+    /// Nothing now (busy): get on with decoding.
+    None,
+    /// No more jobs will come (the server is shutting down).
+    Closed,
+}
+
+/// The next job: waited for when the scheduler is idle (but the wait ends at shutdown even
+/// while some other answer, a /tokenize say, still holds the queue's sender open), only taken
+/// if there when it is busy.
+fn next_job(jobs: &Receiver<Job>, idle: bool, shutdown: &Shutdown) -> Next {
+    if idle {
+        match jobs.recv_timeout(std::time::Duration::from_millis(50)) {
+            Ok(j) => Next::Job(Box::new(j)),
+            Err(RecvTimeoutError::Timeout) if shutdown.requested() => Next::Closed,
+            Err(RecvTimeoutError::Timeout) => Next::Later,
+            Err(RecvTimeoutError::Disconnected) => Next::Closed,
+        }
+    } else {
+        match jobs.try_recv() {
+            Ok(j) => Next::Job(Box::new(j)),
+            Err(TryRecvError::Empty) => Next::None,
+            Err(TryRecvError::Disconnected) => Next::Closed,
+        }
     }
 }
 
@@ -272,6 +269,32 @@ struct Ctx<'a> {
 }
 
 impl<'a> Ctx<'a> {
+    /// A job taken from the queue, as a scheduler request; `None` when it is answered already
+    /// (cancelled while queued, the server shutting down, or a mistake in it).
+    fn admit(&self, job: Job) -> Option<Request<'a>> {
+        if job.cancel.load(Ordering::SeqCst) {
+            let _ = job.tx.send(Msg::End);
+            return None;
+        }
+        let shutdown = self.shutdown;
+        if !shutdown.begin(&job.cancel) {
+            shutdown.end(&job.cancel);
+            let _ = job.tx.send(Msg::Error(shutting_down()));
+            let _ = job.tx.send(Msg::End);
+            return None;
+        }
+        match self.request(job) {
+            Ok(req) => Some(req),
+            Err(failed) => {
+                let (job, e) = *failed;
+                shutdown.end(&job.cancel);
+                let _ = job.tx.send(Msg::Error(e));
+                let _ = job.tx.send(Msg::End);
+                None
+            }
+        }
+    }
+
     /// The job as a scheduler request: its parameters and prompt built (a mistake comes back
     /// with the job; the scheduler checks the rest), its answer streamed to the client through
     /// the sink.
