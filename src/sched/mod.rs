@@ -276,9 +276,28 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
 
     /// One forward of every running decoder's next batch, the logits handed back.
     fn forward_all(&mut self) -> Result<()> {
+        let parts = self.gather()?;
+        let forwarded = self.forward(parts.iter().filter(|p| p.is_some()).count())?;
+        let fed_at = std::time::Instant::now();
+        let done = self.feed_all(&parts, forwarded);
+        self.stats.feed_seconds += fed_at.elapsed().as_secs_f64();
+        for (i, err) in done.into_iter().rev() {
+            let mut r = self.running.remove(i);
+            let result = match err {
+                Some(e) => Err(e),
+                None => Ok(r.dec.result()),
+            };
+            self.finish(r, result);
+        }
+        Ok(())
+    }
+
+    /// Polls every running decoder and merges their batches into one; where each one's
+    /// logits will be (`None`: it asked for no forward, it is done).
+    fn gather(&mut self) -> Result<Vec<Option<Part>>> {
         self.batch.clear();
         let mut indices = Vec::new();
-        let mut parts: Vec<Option<Part>> = Vec::with_capacity(self.running.len());
+        let mut parts = Vec::with_capacity(self.running.len());
         for r in self.running.iter_mut() {
             let sink = &mut r.req.sink;
             match r.dec.poll(&mut |ev| sink(Update::Event(ev)))? {
@@ -298,35 +317,41 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
                 }
             }
         }
-        let indices_len = indices.len();
         self.batch.logits_for = LogitsFor::Indices(indices);
-        let served = parts.iter().filter(|p| p.is_some()).count();
-        let logits = if self.batch.is_empty() {
-            None
-        } else {
-            self.stats.forwards += 1;
-            self.stats.forward_tokens += self.batch.len() as u64;
-            self.stats.last_batch_tokens = self.batch.len();
-            self.stats.last_batch_requests = served;
-            self.stats.forward_logit_rows += indices_len as u64;
-            let t = std::time::Instant::now();
-            self.model
-                .forward_into(&self.batch, &mut self.cache, &mut self.logits)?;
-            self.stats.forward_seconds += t.elapsed().as_secs_f64();
-            Some(&self.logits)
-        };
-        let fed_at = std::time::Instant::now();
+        Ok(parts)
+    }
+
+    /// Runs the merged batch (`served` decoders' tokens), counted; false when it is empty.
+    fn forward(&mut self, served: usize) -> Result<bool> {
+        if self.batch.is_empty() {
+            return Ok(false);
+        }
+        let st = &mut self.stats;
+        st.forwards += 1;
+        st.forward_tokens += self.batch.len() as u64;
+        st.last_batch_tokens = self.batch.len();
+        st.last_batch_requests = served;
+        st.forward_logit_rows += self.batch.logit_indices().len() as u64;
+        let t = std::time::Instant::now();
+        self.model
+            .forward_into(&self.batch, &mut self.cache, &mut self.logits)?;
+        self.stats.forward_seconds += t.elapsed().as_secs_f64();
+        Ok(true)
+    }
+
+    /// Hands each decoder its logits and caches a prompt once its entries are in; the
+    /// decoders that are done or failed, by index in `running`.
+    fn feed_all(&mut self, parts: &[Option<Part>], forwarded: bool) -> Vec<(usize, Option<Error>)> {
         let vocab = self.model.config().vocab;
-        // (index in running, the error that ends it early)
-        let mut done: Vec<(usize, Option<Error>)> = Vec::new();
-        for (i, (r, part)) in self.running.iter_mut().zip(&parts).enumerate() {
-            let (Some(part), Some(logits)) = (part, &logits) else {
+        let mut done = Vec::new();
+        for (i, (r, part)) in self.running.iter_mut().zip(parts).enumerate() {
+            let Some(part) = part.as_ref().filter(|_| forwarded) else {
                 done.push((i, None));
                 continue;
             };
             let view = LogitsRef {
                 vocab,
-                data: &logits.data
+                data: &self.logits.data
                     [part.logits_start * vocab..(part.logits_start + part.logits_len) * vocab],
             };
             let sink = &mut r.req.sink;
@@ -341,13 +366,10 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
                 // The first forward fed the prompt: its entries can serve later requests.
                 r.prompt_cached = true;
                 if r.own_prompt > 0 {
-                    if let Ok(segments) = self
-                        .cache
-                        .cells()
-                        .prefix_segments(r.seq, r.req.prompt.len())
-                    {
+                    let prompt = &r.req.prompt;
+                    if let Ok(segments) = self.cache.cells().prefix_segments(r.seq, prompt.len()) {
                         self.prefixes
-                            .insert(self.cache.cells_mut(), &r.req.prompt, segments);
+                            .insert(self.cache.cells_mut(), prompt, segments);
                     }
                 }
             }
@@ -355,16 +377,7 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
                 done.push((i, None));
             }
         }
-        self.stats.feed_seconds += fed_at.elapsed().as_secs_f64();
-        for (i, err) in done.into_iter().rev() {
-            let mut r = self.running.remove(i);
-            let result = match err {
-                Some(e) => Err(e),
-                None => Ok(r.dec.result()),
-            };
-            self.finish(r, result);
-        }
-        Ok(())
+        done
     }
 
     /// Ends a request: frees its sequence (its prompt stays while cached) and answers it.
