@@ -108,25 +108,7 @@ pub(super) async fn completions_inner(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_with_knobs(&body)?;
-    // OpenAI's prompt: a string, token ids, or a list of either (one choice each, in order).
-    let inputs: Vec<JobInput> = match req.prompt {
-        PromptField::One(s) => vec![JobInput::Text(s)],
-        PromptField::Many(v) => v.into_iter().map(JobInput::Text).collect(),
-        PromptField::Tokens(ids) => vec![JobInput::Tokens(ids)],
-        PromptField::TokenLists(v) => v.into_iter().map(JobInput::Tokens).collect(),
-    };
-    if inputs.is_empty() {
-        return Err(ApiError::bad_request("prompt must not be an empty list").param("prompt"));
-    }
-    if inputs.len() > state.queue {
-        return Err(ApiError::bad_request(format!(
-            "at most {} prompts per request (the queue's size), got {}",
-            state.queue,
-            inputs.len()
-        ))
-        .param("prompt"));
-    }
-    let stream = req.knobs.stream;
+    let inputs = prompts(req.prompt, state.queue)?;
     let include_usage = req
         .knobs
         .stream_options
@@ -142,27 +124,78 @@ pub(super) async fn completions_inner(
         started(&mut rx).await?;
         streams.push((rx, guard));
     }
-    let id = format!("cmpl-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
-    let created = now();
-    let model = state.model.clone();
-    if !stream {
-        let (mut choices, mut p, mut c) = (Vec::new(), 0, 0);
-        for (index, (rx, guard)) in streams.into_iter().enumerate() {
-            let (text, finish_reason, pt, ct) = collect(rx).await?;
-            drop(guard);
-            choices.push(json!({"index": index, "text": text, "finish_reason": finish_reason, "logprobs": null}));
-            (p, c) = (p + pt, c + ct);
-        }
-        return Ok(Json(json!({
-            "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices,
-            "usage": usage(p, c),
-        }))
-        .into_response());
+    let head = Head {
+        id: format!("cmpl-{}", state.next_id.fetch_add(1, Ordering::Relaxed)),
+        created: now(),
+        model: state.model.clone(),
+    };
+    if req.knobs.stream {
+        Ok(stream_completions(head, streams, include_usage))
+    } else {
+        whole_completions(head, streams).await
     }
+}
+
+/// OpenAI's prompt: a string, token ids, or a list of either (one choice each, in order), at
+/// most as many as the queue holds.
+fn prompts(prompt: PromptField, queue: usize) -> Result<Vec<JobInput>, ApiError> {
+    let inputs: Vec<JobInput> = match prompt {
+        PromptField::One(s) => vec![JobInput::Text(s)],
+        PromptField::Many(v) => v.into_iter().map(JobInput::Text).collect(),
+        PromptField::Tokens(ids) => vec![JobInput::Tokens(ids)],
+        PromptField::TokenLists(v) => v.into_iter().map(JobInput::Tokens).collect(),
+    };
+    if inputs.is_empty() {
+        return Err(ApiError::bad_request("prompt must not be an empty list").param("prompt"));
+    }
+    if inputs.len() > queue {
+        return Err(ApiError::bad_request(format!(
+            "at most {queue} prompts per request (the queue's size), got {}",
+            inputs.len()
+        ))
+        .param("prompt"));
+    }
+    Ok(inputs)
+}
+
+/// What every completion object repeats.
+#[derive(Clone)]
+struct Head {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+type Answering = (
+    tokio::sync::mpsc::UnboundedReceiver<Msg>,
+    super::jobs::CancelOnDrop,
+);
+
+/// Every prompt's answer whole, as one `text_completion`.
+async fn whole_completions(head: Head, streams: Vec<Answering>) -> Result<Response, ApiError> {
+    let (mut choices, mut p, mut c) = (Vec::new(), 0, 0);
+    for (index, (rx, guard)) in streams.into_iter().enumerate() {
+        let (text, finish_reason, pt, ct) = collect(rx).await?;
+        drop(guard);
+        choices.push(
+            json!({"index": index, "text": text, "finish_reason": finish_reason, "logprobs": null}),
+        );
+        (p, c) = (p + pt, c + ct);
+    }
+    Ok(Json(json!({
+        "id": head.id, "object": "text_completion", "created": head.created, "model": head.model,
+        "choices": choices,
+        "usage": usage(p, c),
+    }))
+    .into_response())
+}
+
+/// Every prompt's answer streamed as it comes (server-sent events, choices by index), then
+/// the usage chunk (when asked for) and `[DONE]` once all have ended.
+fn stream_completions(head: Head, streams: Vec<Answering>, include_usage: bool) -> Response {
     let n = streams.len();
     let chunk = move |index: usize, text: &str, finish: Option<&str>| {
-        json!({"id": id, "object": "text_completion", "created": created, "model": model,
+        json!({"id": head.id, "object": "text_completion", "created": head.created, "model": head.model,
                "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": null}]})
     };
     let mut merged = tokio_stream::StreamMap::new();
@@ -197,9 +230,9 @@ pub(super) async fn completions_inner(
         }
     });
     let events = events.chain(tokio_stream::iter(UsageTail::last(include_usage)));
-    Ok(Sse::new(events.map(Ok::<_, std::convert::Infallible>))
+    Sse::new(events.map(Ok::<_, std::convert::Infallible>))
         .keep_alive(KeepAlive::default())
-        .into_response())
+        .into_response()
 }
 
 pub(super) async fn models(State(state): State<Arc<AppState>>) -> Response {
