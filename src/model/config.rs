@@ -56,6 +56,61 @@ fn positive(key: &str, v: u64) -> Result<usize> {
     Ok(v as usize)
 }
 
+/// The attention's shape: heads, KV heads (a divisor of the heads) and an even head size.
+fn read_heads(h: &GgufHeader, hidden: usize) -> Result<Heads> {
+    let n = positive(
+        "qwen3.attention.head_count",
+        get_u64(h, "qwen3.attention.head_count")?,
+    )?;
+    let kv = match h.get("qwen3.attention.head_count_kv") {
+        Some(v) => positive(
+            "qwen3.attention.head_count_kv",
+            v.as_u64()
+                .ok_or_else(|| Error::model("qwen3.attention.head_count_kv is not an integer"))?,
+        )?,
+        None => n,
+    };
+    if n % kv != 0 {
+        return Err(Error::model(format!(
+            "head_count {n} is not a multiple of head_count_kv {kv}"
+        )));
+    }
+    let dim = match h.get("qwen3.attention.key_length") {
+        Some(v) => positive("qwen3.attention.key_length", v.as_u64().unwrap_or(0))?,
+        None => hidden / n,
+    };
+    if let Some(v) = h.get("qwen3.attention.value_length") {
+        if v.as_u64() != Some(dim as u64) {
+            return Err(Error::model(format!(
+                "attention.value_length {v} differs from key_length {dim}; not supported"
+            )));
+        }
+    }
+    if dim % 2 != 0 {
+        return Err(Error::model(format!(
+            "head dimension {dim} must be even for RoPE"
+        )));
+    }
+    Ok(Heads { n, kv, dim })
+}
+
+/// RoPE's frequency base (default 1e6) and the norms' epsilon, both positive and finite.
+fn read_rope_and_eps(h: &GgufHeader) -> Result<(f64, f64)> {
+    let rope_theta = match h.get("qwen3.rope.freq_base") {
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| Error::model("qwen3.rope.freq_base is not a number"))?,
+        None => 1_000_000.0,
+    };
+    let rms_eps = get_f64(h, "qwen3.attention.layer_norm_rms_epsilon")?;
+    if !(rope_theta.is_finite() && rope_theta > 0.0 && rms_eps.is_finite() && rms_eps > 0.0) {
+        return Err(Error::model(format!(
+            "invalid rope.freq_base {rope_theta} or rms epsilon {rms_eps}"
+        )));
+    }
+    Ok((rope_theta, rms_eps))
+}
+
 impl Qwen3Config {
     /// The attention's shape.
     pub fn heads(&self) -> Heads {
@@ -77,44 +132,11 @@ impl Qwen3Config {
                 "architecture '{arch}' is not supported (refusion runs qwen3 models: ReFusion and Qwen3)"
             )));
         }
-        let n_heads = positive(
-            "qwen3.attention.head_count",
-            get_u64(h, "qwen3.attention.head_count")?,
-        )?;
         let hidden = positive(
             "qwen3.embedding_length",
             get_u64(h, "qwen3.embedding_length")?,
         )?;
-        let n_kv_heads = match h.get("qwen3.attention.head_count_kv") {
-            Some(v) => positive(
-                "qwen3.attention.head_count_kv",
-                v.as_u64().ok_or_else(|| {
-                    Error::model("qwen3.attention.head_count_kv is not an integer")
-                })?,
-            )?,
-            None => n_heads,
-        };
-        if n_heads % n_kv_heads != 0 {
-            return Err(Error::model(format!(
-                "head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}"
-            )));
-        }
-        let head_dim = match h.get("qwen3.attention.key_length") {
-            Some(v) => positive("qwen3.attention.key_length", v.as_u64().unwrap_or(0))?,
-            None => hidden / n_heads,
-        };
-        if let Some(v) = h.get("qwen3.attention.value_length") {
-            if v.as_u64() != Some(head_dim as u64) {
-                return Err(Error::model(format!(
-                    "attention.value_length {v} differs from key_length {head_dim}; not supported"
-                )));
-            }
-        }
-        if head_dim % 2 != 0 {
-            return Err(Error::model(format!(
-                "head dimension {head_dim} must be even for RoPE"
-            )));
-        }
+        let heads = read_heads(h, hidden)?;
         let embd = h
             .tensor("token_embd.weight")
             .ok_or_else(|| Error::model("tensor token_embd.weight is missing"))?;
@@ -124,24 +146,13 @@ impl Qwen3Config {
                 embd.ne
             )));
         }
-        let rope_theta = match h.get("qwen3.rope.freq_base") {
-            Some(v) => v
-                .as_f64()
-                .ok_or_else(|| Error::model("qwen3.rope.freq_base is not a number"))?,
-            None => 1_000_000.0,
-        };
-        let rms_eps = get_f64(h, "qwen3.attention.layer_norm_rms_epsilon")?;
-        if !(rope_theta.is_finite() && rope_theta > 0.0 && rms_eps.is_finite() && rms_eps > 0.0) {
-            return Err(Error::model(format!(
-                "invalid rope.freq_base {rope_theta} or rms epsilon {rms_eps}"
-            )));
-        }
+        let (rope_theta, rms_eps) = read_rope_and_eps(h)?;
         Ok(Qwen3Config {
             n_layers: positive("qwen3.block_count", get_u64(h, "qwen3.block_count")?)?,
             hidden,
-            n_heads,
-            n_kv_heads,
-            head_dim,
+            n_heads: heads.n,
+            n_kv_heads: heads.kv,
+            head_dim: heads.dim,
             ffn: positive(
                 "qwen3.feed_forward_length",
                 get_u64(h, "qwen3.feed_forward_length")?,
