@@ -246,55 +246,58 @@ impl MemoryPlan {
             scratch: sizes.scratch(ub, ctx, !output_on_gpu, false),
         };
 
-        if let Some(g) = &plan.gpu {
-            if plan.on_gpu.total() + GPU_RESERVE > g.free && gpu_layers > 0 {
-                return Err(Box::new(Refused {
-                    reason: format!(
-                        "{} layers{} need {} on {} but only {} is free; lower -ngl (or use -ngl auto), -c or --ubatch-size",
-                        gpu_layers,
-                        if output_on_gpu { " and the output layer" } else { "" },
-                        human_bytes(plan.on_gpu.total() + GPU_RESERVE),
-                        g.name,
-                        human_bytes(g.free)
-                    ),
-                    plan,
-                }));
+        match plan.refusal() {
+            Some(reason) => Err(Box::new(Refused { reason, plan })),
+            None => Ok(plan),
+        }
+    }
+
+    /// Why this plan does not fit, when it does not: the GPU's share beyond its free memory,
+    /// or the CPU's beyond what is available (the weights, the KV cache or the scratch named).
+    fn refusal(&self) -> Option<String> {
+        if let Some(g) = &self.gpu {
+            if self.on_gpu.total() + GPU_RESERVE > g.free && self.gpu_layers > 0 {
+                return Some(format!(
+                    "{} layers{} need {} on {} but only {} is free; lower -ngl (or use -ngl auto), -c or --ubatch-size",
+                    self.gpu_layers,
+                    if self.output_on_gpu { " and the output layer" } else { "" },
+                    human_bytes(self.on_gpu.total() + GPU_RESERVE),
+                    g.name,
+                    human_bytes(g.free)
+                ));
             }
         }
-        if let Some(avail) = plan.host_available {
-            let need = plan.on_cpu.total();
-            if need > avail {
-                let c = plan.on_cpu;
-                let reason = if c.weights > avail {
-                    format!(
-                        "the weights need about {} of memory on the CPU (with candle's repacked copies) but only {} is available; \
-                         use a smaller quantization{}",
-                        human_bytes(c.weights),
-                        human_bytes(avail),
-                        if plan.gpu.is_some() { " or offload more layers (-ngl)" } else { "" }
-                    )
-                } else if c.weights + c.kv > avail {
-                    format!(
-                        "the KV cache for {} tokens needs {} on the CPU but only {} of memory is available besides the weights; \
-                         lower -c, use --cache-type f16, or back it with a file (--kv-file)",
-                        req.context,
-                        human_bytes(c.kv),
-                        human_bytes(avail - c.weights)
-                    )
-                } else {
-                    format!(
-                        "a forward chunk of {} tokens over a context of {} needs about {} of working memory but only {} is left; \
-                         lower --ubatch-size or -c",
-                        plan.ubatch,
-                        req.context,
-                        human_bytes(c.scratch),
-                        human_bytes(avail - c.weights - c.kv)
-                    )
-                };
-                return Err(Box::new(Refused { reason, plan }));
-            }
+        let avail = self.host_available?;
+        let c = self.on_cpu;
+        if c.total() <= avail {
+            return None;
         }
-        Ok(plan)
+        Some(if c.weights > avail {
+            format!(
+                "the weights need about {} of memory on the CPU (with candle's repacked copies) but only {} is available; \
+                 use a smaller quantization{}",
+                human_bytes(c.weights),
+                human_bytes(avail),
+                if self.gpu.is_some() { " or offload more layers (-ngl)" } else { "" }
+            )
+        } else if c.weights + c.kv > avail {
+            format!(
+                "the KV cache for {} tokens needs {} on the CPU but only {} of memory is available besides the weights; \
+                 lower -c, use --cache-type f16, or back it with a file (--kv-file)",
+                self.context,
+                human_bytes(c.kv),
+                human_bytes(avail - c.weights)
+            )
+        } else {
+            format!(
+                "a forward chunk of {} tokens over a context of {} needs about {} of working memory but only {} is left; \
+                 lower --ubatch-size or -c",
+                self.ubatch,
+                self.context,
+                human_bytes(c.scratch),
+                human_bytes(avail - c.weights - c.kv)
+            )
+        })
     }
 }
 
