@@ -64,6 +64,106 @@ fn token_id(h: &GgufHeader, key: &str, n: usize) -> Result<Option<u32>> {
     }
 }
 
+/// `tokenizer.ggml.token_type`: one i32 per token (all normal when absent).
+fn token_types(h: &GgufHeader, n: usize) -> Result<Vec<i32>> {
+    let types: Vec<i32> = match h.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+        Some(a) => a
+            .iter()
+            .map(|v| match v {
+                Value::I32(t) => Ok(*t),
+                other => Err(Error::model(format!(
+                    "tokenizer.ggml.token_type holds {other}"
+                ))),
+            })
+            .collect::<Result<_>>()?,
+        None => vec![1; n],
+    };
+    if types.len() != n {
+        return Err(Error::model(format!(
+            "tokenizer.ggml.token_type has {} entries for {n} tokens",
+            types.len()
+        )));
+    }
+    Ok(types)
+}
+
+/// The BPE vocabulary, the added tokens (control and user-defined, in id order) and which ids
+/// are special (control).
+fn split_vocabulary(
+    tokens: &[&str],
+    types: &[i32],
+) -> (
+    tokenizers::models::bpe::Vocab,
+    Vec<(usize, AddedToken)>,
+    Vec<bool>,
+) {
+    let mut vocab = tokenizers::models::bpe::Vocab::default();
+    let mut special = vec![false; tokens.len()];
+    let mut added = Vec::new();
+    for (id, (&text, &ty)) in tokens.iter().zip(types).enumerate() {
+        match ty {
+            TOKEN_UNUSED => {}
+            TOKEN_CONTROL => {
+                special[id] = true;
+                let tok = AddedToken::from(text.to_string(), true).normalized(false);
+                added.push((id, tok));
+            }
+            TOKEN_USER_DEFINED => {
+                let tok = AddedToken::from(text.to_string(), false).normalized(false);
+                added.push((id, tok));
+            }
+            _ => {
+                vocab.insert(text.to_string(), id as u32);
+            }
+        }
+    }
+    added.sort_by_key(|(id, _)| *id);
+    (vocab, added, special)
+}
+
+/// The byte-level BPE of Qwen2/3: the merges, NFC (unless the file says otherwise), Qwen2's
+/// split pattern, byte-level pre-tokenizer and decoder.
+fn bpe(
+    h: &GgufHeader,
+    vocab: tokenizers::models::bpe::Vocab,
+    merges: &[&str],
+) -> Result<tokenizers::Tokenizer> {
+    let merges: Vec<(String, String)> = merges
+        .iter()
+        .map(|m| {
+            let (a, b) = m
+                .split_once(' ')
+                .ok_or_else(|| Error::model(format!("malformed merge {m:?}")))?;
+            Ok((a.to_string(), b.to_string()))
+        })
+        .collect::<Result<_>>()?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| Error::model(format!("building the BPE tokenizer: {e}")))?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let normalizer = h
+        .get(NORMALIZER_KEY)
+        .and_then(Value::as_str)
+        .unwrap_or("nfc");
+    if normalizer == "nfc" {
+        inner.with_normalizer(Some(NFC));
+    }
+    let split = Split::new(
+        SplitPattern::Regex(QWEN2_PATTERN.into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(|e| Error::model(format!("pre-tokenizer pattern: {e}")))?;
+    let pre = Sequence::new(vec![
+        PreTokenizerWrapper::Split(split),
+        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)),
+    ]);
+    inner.with_pre_tokenizer(Some(pre));
+    inner.with_decoder(Some(ByteLevelDecoder::new(false, false, false)));
+    Ok(inner)
+}
+
 impl Tokenizer {
     pub fn from_gguf(h: &GgufHeader) -> Result<Tokenizer> {
         let model = h
@@ -80,87 +180,12 @@ impl Tokenizer {
             )));
         }
         let tokens = strings(h, "tokenizer.ggml.tokens")?;
-        let merges = strings(h, "tokenizer.ggml.merges")?;
-        let types: Vec<i32> = match h.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
-            Some(a) => a
-                .iter()
-                .map(|v| match v {
-                    Value::I32(t) => Ok(*t),
-                    other => Err(Error::model(format!(
-                        "tokenizer.ggml.token_type holds {other}"
-                    ))),
-                })
-                .collect::<Result<_>>()?,
-            None => vec![1; tokens.len()],
-        };
-        if types.len() != tokens.len() {
-            return Err(Error::model(format!(
-                "tokenizer.ggml.token_type has {} entries for {} tokens",
-                types.len(),
-                tokens.len()
-            )));
-        }
-
-        let mut vocab = tokenizers::models::bpe::Vocab::default();
-        let mut special = vec![false; tokens.len()];
-        let mut added = Vec::new();
-        for (id, (&text, &ty)) in tokens.iter().zip(&types).enumerate() {
-            match ty {
-                TOKEN_UNUSED => {}
-                TOKEN_CONTROL => {
-                    special[id] = true;
-                    added.push((
-                        id,
-                        AddedToken::from(text.to_string(), true).normalized(false),
-                    ));
-                }
-                TOKEN_USER_DEFINED => added.push((
-                    id,
-                    AddedToken::from(text.to_string(), false).normalized(false),
-                )),
-                _ => {
-                    vocab.insert(text.to_string(), id as u32);
-                }
-            }
-        }
-        let merges: Vec<(String, String)> = merges
-            .iter()
-            .map(|m| {
-                let (a, b) = m
-                    .split_once(' ')
-                    .ok_or_else(|| Error::model(format!("malformed merge {m:?}")))?;
-                Ok((a.to_string(), b.to_string()))
-            })
-            .collect::<Result<_>>()?;
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| Error::model(format!("building the BPE tokenizer: {e}")))?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let normalizer = h
-            .get(NORMALIZER_KEY)
-            .and_then(Value::as_str)
-            .unwrap_or("nfc");
-        if normalizer == "nfc" {
-            inner.with_normalizer(Some(NFC));
-        }
-        let split = Split::new(
-            SplitPattern::Regex(QWEN2_PATTERN.into()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .map_err(|e| Error::model(format!("pre-tokenizer pattern: {e}")))?;
-        let pre = Sequence::new(vec![
-            PreTokenizerWrapper::Split(split),
-            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)),
-        ]);
-        inner.with_pre_tokenizer(Some(pre));
-        inner.with_decoder(Some(ByteLevelDecoder::new(false, false, false)));
-        // Added tokens must keep their ids: register them in id order.
-        added.sort_by_key(|(id, _)| *id);
+        let types = token_types(h, tokens.len())?;
+        let (vocab, added, special) = split_vocabulary(&tokens, &types);
+        let mut inner = bpe(h, vocab, &strings(h, "tokenizer.ggml.merges")?)?;
+        // Added tokens must keep their ids: registered in id order.
         for (id, tok) in added {
-            let is_special = special[id];
-            if is_special {
+            if special[id] {
                 inner.add_special_tokens(&[tok]);
             } else {
                 inner.add_tokens(&[tok]);
