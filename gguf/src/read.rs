@@ -51,33 +51,138 @@ pub struct GgufHeader {
     pub data_offset: u64,
 }
 
+/// The magic and the version (2 and 3 share a layout; 1 and big-endian files are refused).
+fn read_version(r: &mut Cursor<'_>) -> std::result::Result<u32, String> {
+    let magic = r
+        .take(4)
+        .map_err(|_| "file too short to be GGUF".to_string())?;
+    if magic != MAGIC {
+        return Err(format!(
+            "not a GGUF file (magic {:02x?}, expected \"GGUF\")",
+            magic
+        ));
+    }
+    match r.u32()? {
+        v @ (2 | 3) => Ok(v),
+        1 => Err(
+            "GGUF version 1 is not supported (convert it again with a current llama.cpp)".into(),
+        ),
+        v if v.swap_bytes() == 2 || v.swap_bytes() == 3 => {
+            Err("big-endian GGUF files are not supported".into())
+        }
+        v => Err(format!("unsupported GGUF version {v}")),
+    }
+}
+
+/// `n_kv` metadata entries, each key once.
+fn read_metadata(
+    r: &mut Cursor<'_>,
+    n_kv: u64,
+) -> std::result::Result<Vec<(String, Value)>, String> {
+    let mut metadata = Vec::with_capacity(n_kv as usize);
+    let mut keys = HashSet::new();
+    for i in 0..n_kv {
+        let key = r.string().map_err(|e| format!("metadata entry {i}: {e}"))?;
+        let ty = r.u32()?;
+        let ty = ValueType::from_id(ty)
+            .ok_or_else(|| format!("metadata key '{key}': unknown value type {ty}"))?;
+        let value = r
+            .value(ty, 0)
+            .map_err(|e| format!("metadata key '{key}': {e}"))?;
+        if !keys.insert(key.clone()) {
+            return Err(format!("metadata key '{key}' appears twice"));
+        }
+        metadata.push((key, value));
+    }
+    Ok(metadata)
+}
+
+/// Tensor info `i`: its shape (1 to `MAX_DIMS` dimensions, none zero, the element and byte
+/// counts without overflow, rows of whole blocks), type and aligned offset.
+fn read_tensor_info(
+    r: &mut Cursor<'_>,
+    i: u64,
+    alignment: u64,
+) -> std::result::Result<TensorInfo, String> {
+    let name = r.string().map_err(|e| format!("tensor info {i}: {e}"))?;
+    let n_dims = r.u32()?;
+    if n_dims == 0 || n_dims > MAX_DIMS {
+        return Err(format!(
+            "tensor '{name}': {n_dims} dimensions (1 to {MAX_DIMS} allowed)"
+        ));
+    }
+    let mut ne = Vec::with_capacity(n_dims as usize);
+    for _ in 0..n_dims {
+        ne.push(r.u64()?);
+    }
+    let ty_id = r.u32()?;
+    let ty = GgmlType::from_id(ty_id)
+        .ok_or_else(|| format!("tensor '{name}': unsupported tensor type id {ty_id}"))?;
+    let offset = r.u64()?;
+    if ne.contains(&0) {
+        return Err(format!("tensor '{name}': a dimension is zero ({ne:?})"));
+    }
+    let n_elements = ne
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| format!("tensor '{name}': element count overflows ({ne:?})"))?;
+    let row_bytes = ty.row_bytes(ne[0]).ok_or_else(|| {
+        format!(
+            "tensor '{name}': row length {} is not a multiple of the {} block size {}",
+            ne[0],
+            ty,
+            ty.block_size()
+        )
+    })?;
+    let n_bytes = row_bytes
+        .checked_mul(n_elements / ne[0])
+        .ok_or_else(|| format!("tensor '{name}': byte size overflows"))?;
+    if offset % alignment != 0 {
+        return Err(format!(
+            "tensor '{name}': offset {offset} is not aligned to {alignment}"
+        ));
+    }
+    Ok(TensorInfo {
+        name,
+        ne,
+        ty,
+        offset,
+        n_bytes,
+    })
+}
+
+/// Every tensor's data inside the data section (`data_len` bytes) and none overlapping.
+fn check_placement(tensors: &[TensorInfo], data_len: u64) -> std::result::Result<(), String> {
+    for t in tensors {
+        let end = t
+            .offset
+            .checked_add(t.n_bytes)
+            .ok_or("tensor end overflows")?;
+        if end > data_len {
+            return Err(format!(
+                "tensor '{}' ({} bytes at data offset {}) extends past the end of the file (truncated?)",
+                t.name, t.n_bytes, t.offset
+            ));
+        }
+    }
+    let mut by_offset: Vec<&TensorInfo> = tensors.iter().collect();
+    by_offset.sort_by_key(|t| t.offset);
+    for w in by_offset.windows(2) {
+        if w[0].offset + w[0].n_bytes > w[1].offset {
+            return Err(format!(
+                "tensors '{}' and '{}' overlap",
+                w[0].name, w[1].name
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl GgufHeader {
     /// Parses and validates the header of a GGUF file held entirely in `bytes`.
     pub fn parse(bytes: &[u8]) -> std::result::Result<GgufHeader, String> {
         let mut r = Cursor { bytes, pos: 0 };
-        let magic = r
-            .take(4)
-            .map_err(|_| "file too short to be GGUF".to_string())?;
-        if magic != MAGIC {
-            return Err(format!(
-                "not a GGUF file (magic {:02x?}, expected \"GGUF\")",
-                magic
-            ));
-        }
-        let version = r.u32()?;
-        match version {
-            2 | 3 => {}
-            1 => {
-                return Err(
-                    "GGUF version 1 is not supported (convert it again with a current llama.cpp)"
-                        .into(),
-                )
-            }
-            v if v.swap_bytes() == 2 || v.swap_bytes() == 3 => {
-                return Err("big-endian GGUF files are not supported".into())
-            }
-            v => return Err(format!("unsupported GGUF version {v}")),
-        }
+        let version = read_version(&mut r)?;
         let n_tensors = r.u64()?;
         let n_kv = r.u64()?;
         // Each metadata entry takes at least 8 (key length) + 4 (type) + 1 bytes, each tensor
@@ -92,116 +197,30 @@ impl GgufHeader {
                 "tensor count {n_tensors} is larger than the file can hold"
             ));
         }
-
-        let mut metadata = Vec::with_capacity(n_kv as usize);
-        let mut keys = HashSet::new();
-        for i in 0..n_kv {
-            let key = r.string().map_err(|e| format!("metadata entry {i}: {e}"))?;
-            let ty = r.u32()?;
-            let ty = ValueType::from_id(ty)
-                .ok_or_else(|| format!("metadata key '{key}': unknown value type {ty}"))?;
-            let value = r
-                .value(ty, 0)
-                .map_err(|e| format!("metadata key '{key}': {e}"))?;
-            if !keys.insert(key.clone()) {
-                return Err(format!("metadata key '{key}' appears twice"));
-            }
-            metadata.push((key, value));
-        }
-
+        let metadata = read_metadata(&mut r, n_kv)?;
         let alignment = match metadata.iter().find(|(k, _)| k == "general.alignment") {
             None => DEFAULT_ALIGNMENT,
-            Some((_, v)) => match v {
-                Value::U32(a) if *a > 0 && a.is_power_of_two() => *a as u64,
-                other => {
-                    return Err(format!(
-                        "general.alignment must be a power-of-two u32, got {other}"
-                    ))
-                }
-            },
+            Some((_, Value::U32(a))) if *a > 0 && a.is_power_of_two() => *a as u64,
+            Some((_, other)) => {
+                return Err(format!(
+                    "general.alignment must be a power-of-two u32, got {other}"
+                ))
+            }
         };
-
         let mut tensors = Vec::with_capacity(n_tensors as usize);
         let mut names = HashSet::new();
         for i in 0..n_tensors {
-            let name = r.string().map_err(|e| format!("tensor info {i}: {e}"))?;
-            let n_dims = r.u32()?;
-            if n_dims == 0 || n_dims > MAX_DIMS {
-                return Err(format!(
-                    "tensor '{name}': {n_dims} dimensions (1 to {MAX_DIMS} allowed)"
-                ));
+            let t = read_tensor_info(&mut r, i, alignment)?;
+            if !names.insert(t.name.clone()) {
+                return Err(format!("tensor '{}' appears twice", t.name));
             }
-            let mut ne = Vec::with_capacity(n_dims as usize);
-            for _ in 0..n_dims {
-                ne.push(r.u64()?);
-            }
-            let ty_id = r.u32()?;
-            let ty = GgmlType::from_id(ty_id)
-                .ok_or_else(|| format!("tensor '{name}': unsupported tensor type id {ty_id}"))?;
-            let offset = r.u64()?;
-            if ne.contains(&0) {
-                return Err(format!("tensor '{name}': a dimension is zero ({ne:?})"));
-            }
-            let n_elements = ne
-                .iter()
-                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-                .ok_or_else(|| format!("tensor '{name}': element count overflows ({ne:?})"))?;
-            let row_bytes = ty.row_bytes(ne[0]).ok_or_else(|| {
-                format!(
-                    "tensor '{name}': row length {} is not a multiple of the {} block size {}",
-                    ne[0],
-                    ty,
-                    ty.block_size()
-                )
-            })?;
-            let n_bytes = row_bytes
-                .checked_mul(n_elements / ne[0])
-                .ok_or_else(|| format!("tensor '{name}': byte size overflows"))?;
-            if offset % alignment != 0 {
-                return Err(format!(
-                    "tensor '{name}': offset {offset} is not aligned to {alignment}"
-                ));
-            }
-            if !names.insert(name.clone()) {
-                return Err(format!("tensor '{name}' appears twice"));
-            }
-            tensors.push(TensorInfo {
-                name,
-                ne,
-                ty,
-                offset,
-                n_bytes,
-            });
+            tensors.push(t);
         }
-
         let data_offset = align_up(r.pos as u64, alignment).ok_or("data offset overflows")?;
-        let data_len = (bytes.len() as u64).saturating_sub(data_offset);
         if data_offset > bytes.len() as u64 && !tensors.is_empty() {
             return Err("file ends before its tensor data section".into());
         }
-        for t in &tensors {
-            let end = t
-                .offset
-                .checked_add(t.n_bytes)
-                .ok_or("tensor end overflows")?;
-            if end > data_len {
-                return Err(format!(
-                    "tensor '{}' ({} bytes at data offset {}) extends past the end of the file (truncated?)",
-                    t.name, t.n_bytes, t.offset
-                ));
-            }
-        }
-        let mut by_offset: Vec<&TensorInfo> = tensors.iter().collect();
-        by_offset.sort_by_key(|t| t.offset);
-        for w in by_offset.windows(2) {
-            if w[0].offset + w[0].n_bytes > w[1].offset {
-                return Err(format!(
-                    "tensors '{}' and '{}' overlap",
-                    w[0].name, w[1].name
-                ));
-            }
-        }
-
+        check_placement(&tensors, (bytes.len() as u64).saturating_sub(data_offset))?;
         Ok(GgufHeader {
             version,
             metadata,
