@@ -105,21 +105,7 @@ pub fn write_gguf(
     let partial = out.partial_path().to_path_buf();
     let io_err = |e: std::io::Error| Error::io(&partial, e);
 
-    let show_bar = verbosity == Verbosity::Normal && std::io::stderr().is_terminal();
-    let bar = if show_bar {
-        let bar = ProgressBar::with_draw_target(Some(total_input), ProgressDrawTarget::stderr());
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{prefix:>9} {msg:<28!} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-        );
-        Some(bar)
-    } else {
-        None
-    };
-
+    let bar = progress_bar(verbosity, total_input);
     let mut writer = GgufWriter::new(
         BufWriter::with_capacity(1 << 20, out.file()),
         metadata,
@@ -127,81 +113,10 @@ pub fn write_gguf(
     )
     .map_err(io_err)?;
     let n_jobs = jobs.len();
-    let mut f32_buf: Vec<f32> = Vec::new();
-    let mut out_buf: Vec<u8> = Vec::new();
+    let mut bufs = (Vec::new(), Vec::new());
     for (i, job) in jobs.iter().enumerate() {
-        let spec = &job.spec;
-        let row_len = spec.ne[0] as usize;
-        let n_rows: usize = spec.ne.iter().skip(1).product::<u64>() as usize;
-        let row_bytes = spec.ty.row_bytes(spec.ne[0]).ok_or_else(|| {
-            Error::usage(format!(
-                "tensor '{}': row length {row_len} does not fit {}",
-                spec.name, spec.ty
-            ))
-        })? as usize;
-        let line = format!(
-            "[{:>4}/{:>4}] {:<28} {:>5} -> {:<5} {:?}{}",
-            i + 1,
-            n_jobs,
-            spec.name,
-            job.source.input_type(),
-            spec.ty.name(),
-            spec.ne,
-            job.note
-                .as_deref()
-                .map(|n| format!(" ({n})"))
-                .unwrap_or_default()
-        );
-        match &bar {
-            Some(bar) => {
-                bar.set_prefix(format!("{}/{}", i + 1, n_jobs));
-                bar.set_message(spec.name.clone());
-                if job.note.is_some() {
-                    bar.println(line);
-                }
-            }
-            None if verbosity == Verbosity::Normal => eprintln!("{line}"),
-            None => {}
-        }
-
-        let rows_per_chunk = (CHUNK_F32 / row_len.max(1)).clamp(1, n_rows.max(1));
-        let input_per_row = job.source.input_bytes() / n_rows.max(1) as u64;
-        let mut row = 0;
-        while row < n_rows {
-            check_interrupt()?;
-            let count = rows_per_chunk.min(n_rows - row);
-            out_buf.resize(count * row_bytes, 0);
-            if job.source.encoded_rows(spec.ty, row, count, &mut out_buf) {
-                writer.write_data(&out_buf).map_err(io_err)?;
-                if let Some(bar) = &bar {
-                    bar.inc(input_per_row * count as u64);
-                }
-                row += count;
-                continue;
-            }
-            f32_buf.resize(count * row_len, 0.0);
-            job.source.read_rows(row, count, &mut f32_buf);
-            if let Some(pos) = f32_buf.iter().position(|v| !v.is_finite()) {
-                return Err(Error::bad(
-                    job.source.origin(),
-                    format!(
-                        "tensor '{}' holds a non-finite value ({}) at row {}, column {}",
-                        job.source.source_name(),
-                        f32_buf[pos],
-                        row + pos / row_len,
-                        pos % row_len
-                    ),
-                ));
-            }
-            out_buf.resize(count * row_bytes, 0);
-            quant::quantize(spec.ty, &f32_buf, row_len, &mut out_buf);
-            writer.write_data(&out_buf).map_err(io_err)?;
-            if let Some(bar) = &bar {
-                bar.inc(input_per_row * count as u64);
-            }
-            job.source.release_rows(row, count);
-            row += count;
-        }
+        announce(bar.as_ref(), verbosity, (i, n_jobs), job);
+        write_tensor(&mut writer, job, &mut bufs, bar.as_ref(), &partial)?;
     }
     let buffered = writer.finish().map_err(io_err)?;
     buffered.into_inner().map_err(|e| io_err(e.into_error()))?;
@@ -218,4 +133,112 @@ pub fn write_gguf(
         tensor_bytes,
         elapsed: start.elapsed(),
     })
+}
+
+/// A progress bar on a terminal (normal verbosity), over the input's bytes.
+fn progress_bar(verbosity: Verbosity, total_input: u64) -> Option<ProgressBar> {
+    if verbosity != Verbosity::Normal || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = ProgressBar::with_draw_target(Some(total_input), ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{prefix:>9} {msg:<28!} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    Some(bar)
+}
+
+/// Tensor `i` of `n` being written: on the bar, or a line on stderr (a line above the bar
+/// when the job carries a note).
+fn announce(
+    bar: Option<&ProgressBar>,
+    verbosity: Verbosity,
+    (i, n): (usize, usize),
+    job: &Job<'_>,
+) {
+    let spec = &job.spec;
+    let line = format!(
+        "[{:>4}/{:>4}] {:<28} {:>5} -> {:<5} {:?}{}",
+        i + 1,
+        n,
+        spec.name,
+        job.source.input_type(),
+        spec.ty.name(),
+        spec.ne,
+        job.note
+            .as_deref()
+            .map(|n| format!(" ({n})"))
+            .unwrap_or_default()
+    );
+    match bar {
+        Some(bar) => {
+            bar.set_prefix(format!("{}/{n}", i + 1));
+            bar.set_message(spec.name.clone());
+            if job.note.is_some() {
+                bar.println(line);
+            }
+        }
+        None if verbosity == Verbosity::Normal => eprintln!("{line}"),
+        None => {}
+    }
+}
+
+/// One tensor's data, in chunks of rows: copied when the source holds it encoded already,
+/// else read as f32 (every value finite), quantized and written. `bufs` are reused.
+fn write_tensor<W: std::io::Write>(
+    writer: &mut GgufWriter<W>,
+    job: &Job<'_>,
+    (f32_buf, out_buf): &mut (Vec<f32>, Vec<u8>),
+    bar: Option<&ProgressBar>,
+    partial: &Path,
+) -> Result<()> {
+    let io_err = |e: std::io::Error| Error::io(partial, e);
+    let spec = &job.spec;
+    let row_len = spec.ne[0] as usize;
+    let n_rows: usize = spec.ne.iter().skip(1).product::<u64>() as usize;
+    let row_bytes = spec.ty.row_bytes(spec.ne[0]).ok_or_else(|| {
+        Error::usage(format!(
+            "tensor '{}': row length {row_len} does not fit {}",
+            spec.name, spec.ty
+        ))
+    })? as usize;
+    let rows_per_chunk = (CHUNK_F32 / row_len.max(1)).clamp(1, n_rows.max(1));
+    let input_per_row = job.source.input_bytes() / n_rows.max(1) as u64;
+    let mut row = 0;
+    while row < n_rows {
+        check_interrupt()?;
+        let count = rows_per_chunk.min(n_rows - row);
+        out_buf.resize(count * row_bytes, 0);
+        let encoded = job.source.encoded_rows(spec.ty, row, count, out_buf);
+        if !encoded {
+            f32_buf.resize(count * row_len, 0.0);
+            job.source.read_rows(row, count, f32_buf);
+            if let Some(pos) = f32_buf.iter().position(|v| !v.is_finite()) {
+                return Err(Error::bad(
+                    job.source.origin(),
+                    format!(
+                        "tensor '{}' holds a non-finite value ({}) at row {}, column {}",
+                        job.source.source_name(),
+                        f32_buf[pos],
+                        row + pos / row_len,
+                        pos % row_len
+                    ),
+                ));
+            }
+            out_buf.resize(count * row_bytes, 0);
+            quant::quantize(spec.ty, f32_buf, row_len, out_buf);
+        }
+        writer.write_data(out_buf).map_err(io_err)?;
+        if let Some(bar) = bar {
+            bar.inc(input_per_row * count as u64);
+        }
+        if !encoded {
+            job.source.release_rows(row, count);
+        }
+        row += count;
+    }
+    Ok(())
 }
