@@ -91,92 +91,16 @@ impl Qwen3Config {
     }
 
     fn from_raw(path: &Path, raw: Raw) -> Result<Qwen3Config> {
-        let model_type = raw.model_type.clone().unwrap_or_default();
-        if model_type != "qwen3" {
-            let archs = raw.architectures.clone().unwrap_or_default().join(", ");
-            return Err(Error::bad(
-                path,
-                format!(
-                    "unsupported model_type '{model_type}' (architectures: [{archs}]); only qwen3 (Qwen3ForCausalLM, ReFusion) is supported"
-                ),
-            ));
-        }
-        if let Some(archs) = &raw.architectures {
-            if !archs.iter().any(|a| a == "Qwen3ForCausalLM") {
-                return Err(Error::bad(
-                    path,
-                    format!(
-                        "unsupported architectures [{}]; expected Qwen3ForCausalLM",
-                        archs.join(", ")
-                    ),
-                ));
-            }
-        }
-        if let Some(scaling) = &raw.rope_scaling {
-            if !scaling.is_null() {
-                return Err(Error::bad(
-                    path,
-                    format!("rope_scaling {scaling} is not supported"),
-                ));
-            }
-        }
-        if raw.use_sliding_window {
-            return Err(Error::bad(
-                path,
-                "use_sliding_window = true is not supported",
-            ));
-        }
-        if raw.attention_bias {
-            return Err(Error::bad(
-                path,
-                "attention_bias = true is not supported by the qwen3 layout",
-            ));
-        }
-        let need = |key: &str, v: Option<u64>| -> Result<u64> {
-            match v {
-                Some(0) => Err(Error::bad(path, format!("{key} must be positive"))),
-                Some(v) => Ok(v),
-                None => Err(Error::bad(path, format!("missing {key}"))),
-            }
-        };
+        check_supported(path, &raw)?;
+        let need = |key: &str, v: Option<u64>| need(path, key, v);
         let hidden_size = need("hidden_size", raw.hidden_size)?;
-        let num_attention_heads = need("num_attention_heads", raw.num_attention_heads)?;
-        let num_key_value_heads = need(
-            "num_key_value_heads",
-            Some(raw.num_key_value_heads.unwrap_or(num_attention_heads)),
-        )?;
-        if num_attention_heads % num_key_value_heads != 0 {
-            return Err(Error::bad(
-                path,
-                format!(
-                    "num_attention_heads ({num_attention_heads}) is not a multiple of num_key_value_heads ({num_key_value_heads})"
-                ),
-            ));
-        }
-        let head_dim = match raw.head_dim {
-            Some(h) => need("head_dim", Some(h))?,
-            None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
-            None => return Err(Error::bad(path, "missing head_dim")),
-        };
-        if head_dim % 2 != 0 {
-            return Err(Error::bad(
-                path,
-                format!("head_dim {head_dim} must be even for RoPE"),
-            ));
-        }
+        let (num_attention_heads, num_key_value_heads, head_dim) = heads(path, &raw, hidden_size)?;
         let rope_theta = raw.rope_theta.unwrap_or(1_000_000.0);
         let rms_norm_eps = raw.rms_norm_eps.unwrap_or(1e-6);
-        if !(rope_theta.is_finite() && rope_theta > 0.0) {
-            return Err(Error::bad(
-                path,
-                format!("rope_theta must be positive, got {rope_theta}"),
-            ));
-        }
-        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
-            return Err(Error::bad(
-                path,
-                format!("rms_norm_eps must be positive, got {rms_norm_eps}"),
-            ));
+        for (key, v) in [("rope_theta", rope_theta), ("rms_norm_eps", rms_norm_eps)] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(Error::bad(path, format!("{key} must be positive, got {v}")));
+            }
         }
         let cfg = Qwen3Config {
             hidden_size,
@@ -202,18 +126,98 @@ impl Qwen3Config {
             ("eos_token_id", cfg.eos_token_id),
             ("mask_token_id", cfg.mask_token_id),
         ] {
-            if let Some(id) = id {
-                if id >= cfg.vocab_size {
-                    return Err(Error::bad(
-                        path,
-                        format!(
-                            "{key} {id} is outside the vocabulary (vocab_size {})",
-                            cfg.vocab_size
-                        ),
-                    ));
-                }
+            if let Some(id) = id.filter(|&id| id >= cfg.vocab_size) {
+                return Err(Error::bad(
+                    path,
+                    format!(
+                        "{key} {id} is outside the vocabulary (vocab_size {})",
+                        cfg.vocab_size
+                    ),
+                ));
             }
         }
         Ok(cfg)
     }
+}
+
+/// Refuses what the qwen3 layout cannot hold: another model type or architecture, RoPE
+/// scaling, a sliding window, attention biases.
+fn check_supported(path: &Path, raw: &Raw) -> Result<()> {
+    let model_type = raw.model_type.clone().unwrap_or_default();
+    if model_type != "qwen3" {
+        let archs = raw.architectures.clone().unwrap_or_default().join(", ");
+        return Err(Error::bad(
+            path,
+            format!(
+                "unsupported model_type '{model_type}' (architectures: [{archs}]); only qwen3 (Qwen3ForCausalLM, ReFusion) is supported"
+            ),
+        ));
+    }
+    if let Some(archs) = &raw.architectures {
+        if !archs.iter().any(|a| a == "Qwen3ForCausalLM") {
+            return Err(Error::bad(
+                path,
+                format!(
+                    "unsupported architectures [{}]; expected Qwen3ForCausalLM",
+                    archs.join(", ")
+                ),
+            ));
+        }
+    }
+    if let Some(scaling) = raw.rope_scaling.as_ref().filter(|s| !s.is_null()) {
+        return Err(Error::bad(
+            path,
+            format!("rope_scaling {scaling} is not supported"),
+        ));
+    }
+    if raw.use_sliding_window {
+        return Err(Error::bad(
+            path,
+            "use_sliding_window = true is not supported",
+        ));
+    }
+    if raw.attention_bias {
+        return Err(Error::bad(
+            path,
+            "attention_bias = true is not supported by the qwen3 layout",
+        ));
+    }
+    Ok(())
+}
+
+/// A count that must be there and positive.
+fn need(path: &Path, key: &str, v: Option<u64>) -> Result<u64> {
+    match v {
+        Some(0) => Err(Error::bad(path, format!("{key} must be positive"))),
+        Some(v) => Ok(v),
+        None => Err(Error::bad(path, format!("missing {key}"))),
+    }
+}
+
+/// Attention heads, KV heads (a divisor of the heads) and an even head size.
+fn heads(path: &Path, raw: &Raw, hidden_size: u64) -> Result<(u64, u64, u64)> {
+    let n = need(path, "num_attention_heads", raw.num_attention_heads)?;
+    let kv = need(
+        path,
+        "num_key_value_heads",
+        Some(raw.num_key_value_heads.unwrap_or(n)),
+    )?;
+    if !n.is_multiple_of(kv) {
+        return Err(Error::bad(
+            path,
+            format!("num_attention_heads ({n}) is not a multiple of num_key_value_heads ({kv})"),
+        ));
+    }
+    let head_dim = match raw.head_dim {
+        Some(h) => need(path, "head_dim", Some(h))?,
+        None if hidden_size.is_multiple_of(n) => hidden_size / n,
+        None => return Err(Error::bad(path, "missing head_dim")),
+    };
+    if head_dim % 2 != 0 {
+        return Err(Error::bad(
+            path,
+            format!("head_dim {head_dim} must be even for RoPE"),
+        ));
+    }
+    Ok((n, kv, head_dim))
 }
