@@ -77,52 +77,68 @@ pub(crate) fn metadata(
     name: &str,
     opts: &ConvertOptions,
 ) -> Result<Vec<(String, Value)>> {
+    let mut md = model_metadata(cfg, name, opts)?;
+    md.extend(tokenizer_metadata(vocab)?);
+    md.extend(opts.decoding.to_metadata());
+    Ok(md)
+}
+
+/// `general.*` and the `qwen3.*` hyper-parameters, as llama.cpp's converter writes them.
+fn model_metadata(
+    cfg: &Qwen3Config,
+    name: &str,
+    opts: &ConvertOptions,
+) -> Result<Vec<(String, Value)>> {
     let mut md: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String("qwen3".into())),
         ("general.type".into(), Value::String("model".into())),
         ("general.name".into(), Value::String(name.to_string())),
         ("general.file_type".into(), Value::U32(opts.outtype.code())),
         ("general.quantization_version".into(), Value::U32(2)),
+    ];
+    for (key, what, v) in [
+        ("block_count", "num_hidden_layers", cfg.num_hidden_layers),
         (
-            "qwen3.block_count".into(),
-            u32_of("num_hidden_layers", cfg.num_hidden_layers)?,
+            "context_length",
+            "max_position_embeddings",
+            cfg.max_position_embeddings,
+        ),
+        ("embedding_length", "hidden_size", cfg.hidden_size),
+        (
+            "feed_forward_length",
+            "intermediate_size",
+            cfg.intermediate_size,
         ),
         (
-            "qwen3.context_length".into(),
-            u32_of("max_position_embeddings", cfg.max_position_embeddings)?,
+            "attention.head_count",
+            "num_attention_heads",
+            cfg.num_attention_heads,
         ),
         (
-            "qwen3.embedding_length".into(),
-            u32_of("hidden_size", cfg.hidden_size)?,
+            "attention.head_count_kv",
+            "num_key_value_heads",
+            cfg.num_key_value_heads,
         ),
-        (
-            "qwen3.feed_forward_length".into(),
-            u32_of("intermediate_size", cfg.intermediate_size)?,
-        ),
-        (
-            "qwen3.attention.head_count".into(),
-            u32_of("num_attention_heads", cfg.num_attention_heads)?,
-        ),
-        (
-            "qwen3.attention.head_count_kv".into(),
-            u32_of("num_key_value_heads", cfg.num_key_value_heads)?,
-        ),
-        (
-            "qwen3.attention.key_length".into(),
-            u32_of("head_dim", cfg.head_dim)?,
-        ),
-        (
-            "qwen3.attention.value_length".into(),
-            u32_of("head_dim", cfg.head_dim)?,
-        ),
-        (
-            "qwen3.rope.freq_base".into(),
-            Value::F32(cfg.rope_theta as f32),
-        ),
-        (
-            "qwen3.attention.layer_norm_rms_epsilon".into(),
-            Value::F32(cfg.rms_norm_eps as f32),
-        ),
+        ("attention.key_length", "head_dim", cfg.head_dim),
+        ("attention.value_length", "head_dim", cfg.head_dim),
+    ] {
+        md.push((format!("qwen3.{key}"), u32_of(what, v)?));
+    }
+    md.push((
+        "qwen3.rope.freq_base".into(),
+        Value::F32(cfg.rope_theta as f32),
+    ));
+    md.push((
+        "qwen3.attention.layer_norm_rms_epsilon".into(),
+        Value::F32(cfg.rms_norm_eps as f32),
+    ));
+    Ok(md)
+}
+
+/// `tokenizer.ggml.*` (llama.cpp's gpt2/qwen2 tokenizer), our normalizer key and the chat
+/// template.
+fn tokenizer_metadata(vocab: &GgufVocab) -> Result<Vec<(String, Value)>> {
+    let mut md: Vec<(String, Value)> = vec![
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
         ("tokenizer.ggml.pre".into(), Value::String("qwen2".into())),
         (
@@ -158,7 +174,6 @@ pub(crate) fn metadata(
     if let Some(t) = &vocab.chat_template {
         md.push(("tokenizer.chat_template".into(), Value::String(t.clone())));
     }
-    md.extend(opts.decoding.to_metadata());
     Ok(md)
 }
 
