@@ -221,33 +221,15 @@ impl Checkpoint {
     pub fn plan(&self, opts: &ConvertOptions) -> Result<Plan<'_>> {
         opts.decoding.validate().map_err(Error::usage)?;
         let cfg = &self.config;
-        let config_path = self.dir.join("config.json");
         let expected = names::checkpoint_tensors(cfg);
         let shape = ModelShape {
             n_layers: cfg.num_hidden_layers as usize,
             n_gqa: cfg.num_attention_heads / cfg.num_key_value_heads,
             has_output: !cfg.tie_word_embeddings,
         };
-
         let mut jobs = Vec::with_capacity(expected.len());
         for (hf, gguf, want) in &expected {
-            let t = self.weights.tensors.get(hf).ok_or_else(|| {
-                Error::bad(
-                    &self.dir,
-                    format!("missing tensor '{hf}' (needed for {gguf})"),
-                )
-            })?;
-            if &t.shape != want {
-                return Err(Error::bad(
-                    self.weights.path_of(t),
-                    format!(
-                        "tensor '{hf}' has shape {:?} but {} implies {:?}",
-                        t.shape,
-                        config_path.display(),
-                        want
-                    ),
-                ));
-            }
+            let t = self.tensor(hf, gguf, want)?;
             let ne: Vec<u64> = want.iter().rev().copied().collect();
             let (ty, note) = tensor_type(opts.outtype, gguf, &ne, &shape, &opts.mix);
             let row_len = ne[0] as usize;
@@ -265,34 +247,8 @@ impl Checkpoint {
                 note,
             });
         }
-
-        let known: BTreeSet<&str> = expected.iter().map(|(hf, _, _)| hf.as_str()).collect();
         let mut warnings = self.vocab.warnings.clone();
-        let mut unexpected = Vec::new();
-        for name in self.weights.tensors.keys() {
-            if known.contains(name.as_str()) || names::is_ignorable(name) {
-                continue;
-            }
-            if name == names::LM_HEAD.0 && cfg.tie_word_embeddings {
-                warnings
-                    .push("lm_head.weight present but tie_word_embeddings is true: ignored".into());
-                continue;
-            }
-            unexpected.push(name.clone());
-        }
-        if !unexpected.is_empty() {
-            let shown: Vec<_> = unexpected.iter().take(5).cloned().collect();
-            return Err(Error::bad(
-                &self.dir,
-                format!(
-                    "{} unexpected tensor(s) for a qwen3 model: {}{}",
-                    unexpected.len(),
-                    shown.join(", "),
-                    if unexpected.len() > 5 { ", ..." } else { "" }
-                ),
-            ));
-        }
-
+        self.check_unexpected(&expected, &mut warnings)?;
         let name = opts.name.clone().unwrap_or_else(|| {
             self.dir
                 .canonicalize()
@@ -306,6 +262,68 @@ impl Checkpoint {
             metadata,
             warnings,
         })
+    }
+
+    /// The checkpoint's tensor `hf` (the GGUF's `gguf`), of the shape config.json implies.
+    fn tensor(
+        &self,
+        hf: &str,
+        gguf: &str,
+        want: &[u64],
+    ) -> Result<&crate::hf::weights::SourceTensor> {
+        let t = self.weights.tensors.get(hf).ok_or_else(|| {
+            Error::bad(
+                &self.dir,
+                format!("missing tensor '{hf}' (needed for {gguf})"),
+            )
+        })?;
+        if t.shape != want {
+            return Err(Error::bad(
+                self.weights.path_of(t),
+                format!(
+                    "tensor '{hf}' has shape {:?} but {} implies {:?}",
+                    t.shape,
+                    self.dir.join("config.json").display(),
+                    want
+                ),
+            ));
+        }
+        Ok(t)
+    }
+
+    /// Refuses tensors a qwen3 model has no place for (a tied model's `lm_head` is only a
+    /// warning).
+    fn check_unexpected(
+        &self,
+        expected: &[(String, String, Vec<u64>)],
+        warnings: &mut Vec<String>,
+    ) -> Result<()> {
+        let known: BTreeSet<&str> = expected.iter().map(|(hf, _, _)| hf.as_str()).collect();
+        let mut unexpected = Vec::new();
+        for name in self.weights.tensors.keys() {
+            if known.contains(name.as_str()) || names::is_ignorable(name) {
+                continue;
+            }
+            if name == names::LM_HEAD.0 && self.config.tie_word_embeddings {
+                warnings
+                    .push("lm_head.weight present but tie_word_embeddings is true: ignored".into());
+                continue;
+            }
+            unexpected.push(name.clone());
+        }
+        if unexpected.is_empty() {
+            return Ok(());
+        }
+        let shown: Vec<_> = unexpected.iter().take(5).cloned().collect();
+        Err(Error::bad(
+            &self.dir,
+            format!(
+                "{} unexpected tensor(s) for a qwen3 model: {}{}",
+                unexpected.len(),
+                shown.join(", "),
+                if unexpected.len() > 5 { ", ..." } else { "" }
+            ),
+        ))
     }
 }
 
