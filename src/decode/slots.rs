@@ -219,17 +219,50 @@ impl SlotDecoder {
         cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
-        let (k, n_slots, eos) = (self.k, self.slots.len(), self.p.eos_id);
+        let (tags, prefix_len) = self.verify_tags(&pl, ver);
+        let (remain, to_remove) = self.accepted(&pl.chosen, prefix_len);
+        if !remain.is_empty() {
+            return self.commit_accepted(&pl.x0, &remain, to_remove, cache, on_event);
+        }
+        cache.clear_rows()?;
+        // 3. Parallel infilling: one row per chosen slot over the shared cache.
+        let k = self.k;
         let Planned {
             x0,
             chosen,
             counts_block,
         } = pl;
-        // Token i of a slot (i >= 1) takes its autoregressive probability (shifted logits);
-        // token 0 keeps the planning probability and is always accepted.
-        let mut tags: Vec<Vec<bool>> = Vec::with_capacity(chosen.len());
-        let mut flat_mask = Vec::with_capacity(chosen.len() * k);
-        for (c, &s) in chosen.iter().enumerate() {
+        let inf = Infill {
+            spec: chosen
+                .iter()
+                .map(|&s| x0[s * k..(s + 1) * k].to_vec())
+                .collect(),
+            row_pos: chosen
+                .iter()
+                .map(|&s| (0..k as u32).map(|j| self.slots[s] + j).collect())
+                .collect(),
+            row_slot_starts: chosen.iter().map(|&s| self.slots[s]).collect(),
+            to_remove: chosen.clone(),
+            chosen,
+            counts_block,
+            tags,
+            a: 0,
+            it: 0,
+            first_eos_row: None,
+        };
+        self.next_round(inf, cache, on_event)
+    }
+
+    /// Each chosen slot's tokens that pass verification, as running tags (a token passes when
+    /// it and every one before it in its slot do: token i >= 1 on its autoregressive
+    /// probability from the shifted logits, token 0 always), and the length of the passing
+    /// prefix of the slots concatenated.
+    fn verify_tags(&self, pl: &Planned, ver: &LogitsRef<'_>) -> (Vec<Vec<bool>>, usize) {
+        let k = self.k;
+        let mut tags: Vec<Vec<bool>> = Vec::with_capacity(pl.chosen.len());
+        let mut prefix_len = 0;
+        let mut all_so_far = true;
+        for (c, &s) in pl.chosen.iter().enumerate() {
             let mut row = Vec::with_capacity(k);
             let mut ok = true;
             for j in 0..k {
@@ -237,24 +270,34 @@ impl SlotDecoder {
                 let pass = j == 0
                     || prob(
                         logits_of(ver, &self.logit_row, flat - 1),
-                        x0[s * k + j] as usize,
+                        pl.x0[s * k + j] as usize,
                     ) > self.p.token_threshold;
-                flat_mask.push(pass);
+                all_so_far &= pass;
+                prefix_len += all_so_far as usize;
                 ok &= pass;
                 row.push(ok);
             }
             tags.push(row);
         }
-        let prefix_len = flat_mask.iter().take_while(|&&b| b).count();
-        let flat_tokens = &self.batch.tokens;
+        (tags, prefix_len)
+    }
 
-        let mut to_remove: Vec<usize> = Vec::new();
-        // remain: (relative slot index, tokens of it kept)
-        let mut remain: Vec<(usize, usize)> = Vec::new();
+    /// The slots the verification accepts, `(slot, tokens kept)`, and the slots the step
+    /// removes: the whole slots in the passing prefix, or up to its first EOS (which ends the
+    /// decode: the slots from the EOS's on are removed).
+    fn accepted(
+        &mut self,
+        chosen: &[usize],
+        prefix_len: usize,
+    ) -> (Vec<(usize, usize)>, Vec<usize>) {
+        let (k, n_slots) = (self.k, self.slots.len());
+        let flat_tokens = &self.batch.tokens;
+        let mut remain = Vec::new();
+        let mut to_remove = Vec::new();
+        let eos = self.p.eos_id;
         if let Some(first_eos) = flat_tokens[..prefix_len].iter().position(|&t| t == eos) {
             let eos_slot_pos = first_eos / k + 1;
             let eos_token_pos = first_eos % k;
-            let eos_slot = chosen[eos_slot_pos - 1];
             for (i, &s) in chosen[..eos_slot_pos].iter().enumerate() {
                 let len = if i + 1 == eos_slot_pos {
                     eos_token_pos + 1
@@ -264,60 +307,46 @@ impl SlotDecoder {
                 remain.push((s, len));
             }
             self.eos_flag = true;
-            to_remove.extend(eos_slot..n_slots);
-        } else if prefix_len / k > 0 {
+            to_remove.extend(chosen[eos_slot_pos - 1]..n_slots);
+        } else {
             let m = prefix_len / k;
             remain.extend(chosen[..m].iter().map(|&s| (s, k)));
         }
-        if !remain.is_empty() {
-            to_remove.extend(remain.iter().map(|&(s, _)| s));
-            let mut positions = Vec::new();
-            let mut tokens = Vec::new();
-            for &(s, len) in &remain {
-                for j in 0..len {
-                    tokens.push(x0[s * k + j]);
-                    positions.push(self.slots[s] + j as u32);
-                }
-            }
-            // Their KV from the verification forward: the leading entries of row 0.
-            cache.truncate_rows(tokens.len())?;
-            cache.commit_row(0)?;
-            self.cur_x.extend_from_slice(&tokens);
-            self.cur_pos.extend_from_slice(&positions);
-            on_event(Event::Committed {
-                positions: &positions,
-                tokens: &tokens,
-            });
-            self.sum_tpf += (k * remain.len()) as f64 / 2.0;
-            self.tpf_steps += 1;
-            self.end_step(to_remove);
-            return Ok(());
-        }
-        cache.clear_rows()?;
+        to_remove.extend(remain.iter().map(|&(s, _)| s));
+        (remain, to_remove)
+    }
 
-        // 3. Parallel infilling: one row per chosen slot over the shared cache.
-        let spec = chosen
-            .iter()
-            .map(|&s| x0[s * k..(s + 1) * k].to_vec())
-            .collect();
-        let row_pos = chosen
-            .iter()
-            .map(|&s| (0..k as u32).map(|j| self.slots[s] + j).collect())
-            .collect();
-        let row_slot_starts = chosen.iter().map(|&s| self.slots[s]).collect();
-        let inf = Infill {
-            to_remove: chosen.clone(),
-            chosen,
-            counts_block,
-            spec,
-            tags,
-            row_pos,
-            row_slot_starts,
-            a: 0,
-            it: 0,
-            first_eos_row: None,
-        };
-        self.next_round(inf, cache, on_event)
+    /// Commits the accepted tokens (their entries: the leading ones of the verification's
+    /// row) and ends the step.
+    fn commit_accepted(
+        &mut self,
+        x0: &[u32],
+        remain: &[(usize, usize)],
+        to_remove: Vec<usize>,
+        cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        let k = self.k;
+        let mut positions = Vec::new();
+        let mut tokens = Vec::new();
+        for &(s, len) in remain {
+            for j in 0..len {
+                tokens.push(x0[s * k + j]);
+                positions.push(self.slots[s] + j as u32);
+            }
+        }
+        cache.truncate_rows(tokens.len())?;
+        cache.commit_row(0)?;
+        self.cur_x.extend_from_slice(&tokens);
+        self.cur_pos.extend_from_slice(&positions);
+        on_event(Event::Committed {
+            positions: &positions,
+            tokens: &tokens,
+        });
+        self.sum_tpf += (k * remain.len()) as f64 / 2.0;
+        self.tpf_steps += 1;
+        self.end_step(to_remove);
+        Ok(())
     }
 
     fn after_draft(
