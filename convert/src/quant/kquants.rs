@@ -101,7 +101,7 @@ fn affine_k4_codes(x: &[f32], nmax: i32, rmin: f32, nstep: usize) -> (f32, f32, 
     let d = f16::from_f32(max_scale / 63.0).to_f32();
     let dmin = f16::from_f32(max_min / 63.0).to_f32();
     for (j, sub) in x.chunks_exact(32).enumerate() {
-        (sc[j], m[j]) = refine_affine_codes(sub, d, dmin, sc[j], m[j], 63, nmax, 1);
+        (sc[j], m[j]) = refine_affine_codes(sub, (d, dmin), (sc[j], m[j]), 63, nmax, 1);
     }
     (max_scale / 63.0, max_min / 63.0, sc, m)
 }
@@ -207,7 +207,7 @@ pub fn q2_k(x: &[f32], out: &mut [u8]) {
         let (d, dmin) = (f16_at(ob, 80), f16_at(ob, 82));
         let mut levels = [0u8; QK_K];
         for (j, sub) in xb.chunks_exact(16).enumerate() {
-            (sc[j], m[j]) = refine_affine_codes(sub, d, dmin, sc[j], m[j], 15, 3, 1);
+            (sc[j], m[j]) = refine_affine_codes(sub, (d, dmin), (sc[j], m[j]), 15, 3, 1);
             ob[j] = sc[j] | (m[j] << 4);
             affine_levels(
                 sub,
@@ -248,7 +248,7 @@ pub fn q3_k(x: &[f32], out: &mut [u8]) {
         let d = f16_at(ob, 108);
         let mut levels = [0u8; QK_K];
         for (j, sub) in xb.chunks_exact(16).enumerate() {
-            codes[j] = refine_symmetric_code(sub, d, codes[j], -32, 31, -4, 3, 2);
+            codes[j] = refine_symmetric_code(sub, d, codes[j], (-32, 31), (-4, 3), 2);
             let dl = d * codes[j] as f32;
             for (o, &v) in levels[16 * j..16 * j + 16].iter_mut().zip(sub) {
                 *o = if dl != 0.0 {
@@ -304,7 +304,7 @@ pub fn q6_k(x: &[f32], out: &mut [u8]) {
         let mut levels = [0u8; QK_K];
         for (j, sub) in xb.chunks_exact(16).enumerate() {
             let code = nearest(iscale * scales[j]).clamp(-128, 127);
-            let code = refine_symmetric_code(sub, d, code, -128, 127, -32, 31, 2);
+            let code = refine_symmetric_code(sub, d, code, (-128, 127), (-32, 31), 2);
             ob[192 + j] = code as i8 as u8;
             let dl = d * code as f32;
             for (o, &v) in levels[16 * j..16 * j + 16].iter_mut().zip(sub) {

@@ -24,7 +24,6 @@ pub const GROUP_EPS: f32 = 1e-15;
 /// over a sweep of candidate inverse scales `(nmax + rmin + rdelta * i) / (max - min)`.
 /// Returns `(scale, -min)`; the offset is never positive (the group minimum is clamped to 0),
 /// as the k-quant formats store it as an unsigned subtrahend.
-#[allow(clippy::too_many_arguments)]
 pub fn affine_fit(
     x: &[f32],
     weights: &[f32],
@@ -234,13 +233,10 @@ pub fn symmetric_error(x: &[f32], d: f32, lo: i32, hi: i32) -> f32 {
 /// Picks the code pair near `(sc, m)` (each moved by at most `radius` inside `0..=max_code`)
 /// that minimises the affine error of `x` with scale `d * sc` and offset `dmin * m`. The
 /// starting pair is a candidate, so the result is never worse than the reference's choice.
-#[allow(clippy::too_many_arguments)]
 pub fn refine_affine_codes(
     x: &[f32],
-    d: f32,
-    dmin: f32,
-    sc: u8,
-    m: u8,
+    (d, dmin): (f32, f32),
+    (sc, m): (u8, u8),
     max_code: u8,
     nmax: i32,
     radius: i32,
@@ -266,16 +262,14 @@ pub fn refine_affine_codes(
     best
 }
 
-/// Like [`refine_affine_codes`] for a signed scale code in `lo_code..=hi_code`.
-#[allow(clippy::too_many_arguments)]
+/// Like [`refine_affine_codes`] for a signed scale code in `lo_code..=hi_code`, the values
+/// quantized to `lo..=hi`.
 pub fn refine_symmetric_code(
     x: &[f32],
     d: f32,
     sc: i32,
-    lo_code: i32,
-    hi_code: i32,
-    lo: i32,
-    hi: i32,
+    (lo_code, hi_code): (i32, i32),
+    (lo, hi): (i32, i32),
     radius: i32,
 ) -> i32 {
     let mut best = sc;
