@@ -1,0 +1,192 @@
+//! Phase 3 of a step, parallel infilling (when verification accepts no whole slot): each
+//! chosen slot is a row over the shared cache; each round drafts the rows' unverified tokens
+//! (masked) and re-verifies them, keeping the leading verified tokens' entries, up to
+//! `slot_size` rounds; then the verified tokens are committed in the reference's order.
+
+use super::{logits_of, Phase, SlotDecoder};
+use crate::decode::{argmax, prob, Event};
+use crate::error::{Error, Result};
+use crate::kv::SeqCache;
+use crate::model::{Batch, LogitsRef};
+
+/// Parallel infilling of the chosen slots, one row each.
+pub(super) struct Infill {
+    pub(super) chosen: Vec<usize>,
+    /// The slots chosen at the start (all removed at the end, whatever EOS truncates).
+    pub(super) to_remove: Vec<usize>,
+    pub(super) counts_block: usize,
+    pub(super) spec: Vec<Vec<u32>>,
+    pub(super) tags: Vec<Vec<bool>>,
+    pub(super) row_pos: Vec<Vec<u32>>,
+    pub(super) row_slot_starts: Vec<u32>,
+    /// Leading tokens of every row verified and kept in the cache.
+    pub(super) a: usize,
+    /// The current round (`0..slot_size`).
+    pub(super) it: usize,
+    pub(super) first_eos_row: Option<usize>,
+}
+
+impl SlotDecoder {
+    pub(super) fn after_draft(
+        &mut self,
+        mut inf: Infill,
+        dl: &LogitsRef<'_>,
+        cache: &mut SeqCache<'_>,
+    ) -> Result<()> {
+        let width = self.k - inf.a;
+        cache.truncate_rows(inf.a)?;
+        for r in 0..inf.spec.len() {
+            for j in inf.a..self.k {
+                if !inf.tags[r][j] {
+                    let b = r * width + (j - inf.a);
+                    inf.spec[r][j] = argmax(logits_of(dl, &self.logit_row, b)) as u32;
+                }
+            }
+        }
+        self.phase = Phase::Recheck(inf);
+        Ok(())
+    }
+
+    pub(super) fn after_recheck(
+        &mut self,
+        mut inf: Infill,
+        vl: &LogitsRef<'_>,
+        cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        let (k, a, eos) = (self.k, inf.a, self.p.eos_id);
+        let width = k - a;
+        let n_rows = inf.spec.len();
+        for r in 0..n_rows {
+            let mut ok = true;
+            let old = inf.tags[r].clone();
+            for j in a..k {
+                let local = j - a;
+                // A token whose predecessor was verified is accepted (at least one per row);
+                // another is scored by the logits of token j-1.
+                let pass = local == 0 || old[j - 1] || {
+                    let src = r * width + local - 1;
+                    prob(logits_of(vl, &self.logit_row, src), inf.spec[r][j] as usize)
+                        > self.p.token_threshold
+                };
+                ok &= pass;
+                inf.tags[r][j] = ok;
+            }
+        }
+        // EOS among the newly verified tokens: keep rows up to the first such row.
+        if let Some(r) =
+            (0..n_rows).find(|&r| (a..k).any(|j| inf.tags[r][j] && inf.spec[r][j] == eos))
+        {
+            inf.first_eos_row = Some(r);
+            inf.spec.truncate(r + 1);
+            inf.tags.truncate(r + 1);
+            inf.tags[r].iter_mut().for_each(|t| *t = true);
+            inf.row_pos.truncate(r + 1);
+            inf.chosen.truncate(r + 1);
+            inf.row_slot_starts.truncate(r + 1);
+            cache.retain_rows(r + 1)?;
+        }
+        let m = inf
+            .tags
+            .iter()
+            .map(|row| row[inf.a..].iter().filter(|&&t| t).count())
+            .min()
+            .unwrap_or(0);
+        if m > 0 {
+            if inf.tags.iter().any(|row| row.iter().any(|&t| !t)) {
+                inf.a += m - 1;
+            } else {
+                inf.a += m;
+            }
+            cache.truncate_rows(inf.a)?;
+        }
+        inf.it += 1;
+        self.next_round(inf, cache, on_event)
+    }
+
+    /// Another infill round, or (all rows verified, or `slot_size` rounds done) the end of the
+    /// step: a feed thus always ends mid-step or at a step boundary, never past one.
+    pub(super) fn next_round(
+        &mut self,
+        inf: Infill,
+        cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        if inf.it >= self.k || inf.tags.iter().all(|r| r.iter().all(|&t| t)) {
+            return self.finish_infill(inf, cache, on_event);
+        }
+        self.phase = Phase::Draft(inf);
+        Ok(())
+    }
+
+    /// The end of infilling: TPF, every row's KV committed in slot order (cut after the first
+    /// EOS), and the slots removed.
+    pub(super) fn finish_infill(
+        &mut self,
+        inf: Infill,
+        cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        let (k, eos, n_slots) = (self.k, self.p.eos_id, self.slots.len());
+        // The reference's loop variable: the last round entered (it stops at slot_size - 1).
+        let loop_iter = inf.it.min(k - 1);
+        self.sum_tpf += (k * inf.counts_block) as f64 / (loop_iter * 2 + 2) as f64;
+        self.tpf_steps += 1;
+        if inf.a != k {
+            return Err(Error::internal(format!(
+                "infilling ended with {} of {k} tokens verified",
+                inf.a
+            )));
+        }
+        let mut entries = Vec::new();
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        'rows: for (r, row) in inf.spec.iter().enumerate() {
+            for (j, &t) in row.iter().enumerate() {
+                entries.push((r, j));
+                tokens.push(t);
+                positions.push(inf.row_pos[r][j]);
+                if t == eos {
+                    break 'rows;
+                }
+            }
+        }
+        cache.commit(&entries)?;
+        self.cur_x.extend_from_slice(&tokens);
+        self.cur_pos.extend_from_slice(&positions);
+        on_event(Event::Committed {
+            positions: &positions,
+            tokens: &tokens,
+        });
+        let mut to_remove = inf.to_remove.clone();
+        if let Some(r) = inf.first_eos_row {
+            // The fix of the reference's bug: remove from the EOS slot's own index, not from
+            // the row index (which would drop pending slots that were never generated).
+            let from = if self.p.reference_eos_bug {
+                r
+            } else {
+                inf.chosen[r]
+            };
+            to_remove.extend(from..n_slots);
+            self.eos_flag = true;
+        }
+        self.end_step(to_remove);
+        Ok(())
+    }
+}
+
+/// An infill round's forward over the rows' unsettled tokens: the draft (`mask` given: the
+/// unverified tokens masked; its KV is dropped again) or the re-verification with the new
+/// tokens.
+pub(super) fn build_rows(b: &mut Batch, inf: &Infill, k: usize, mask: Option<u32>) {
+    b.clear();
+    for r in 0..inf.spec.len() {
+        for j in inf.a..k {
+            let t = match mask {
+                Some(m) if !inf.tags[r][j] => m,
+                _ => inf.spec[r][j],
+            };
+            b.push(t, inf.row_pos[r][j], r as u32);
+        }
+    }
+}
