@@ -1,0 +1,98 @@
+//! Tests of the module above (x86: the fast path against the portable loops).
+
+use super::*;
+use crate::kv::{CacheShape, CacheType, KvCache, SeqId};
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// The AVX2 path gives the portable loop's floats to the bit, for head sizes with and
+/// without a tail, one and several tokens, prefixes and rows.
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn the_fast_path_gives_the_portable_loops_floats() {
+    if !has_avx2() {
+        return;
+    }
+    for (hd, nkv, nh, prefix, n) in [
+        (128, 2, 8, 40, 5),
+        (24, 2, 6, 9, 11),
+        (64, 1, 3, 0, 3),
+        (20, 1, 9, 7, 4),
+    ] {
+        let shape = CacheShape {
+            n_layers: 1,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            capacity: 256,
+        };
+        let mut cache = KvCache::new(shape, CacheType::F32).unwrap();
+        let mut seed = 9u64;
+        let mut fill = |cache: &mut KvCache, rows: &[u32]| {
+            let pos: Vec<u32> = (0..rows.len() as u32).collect();
+            let slots = cache.allocate(rows, &pos).unwrap();
+            let k: Vec<f32> = (0..rows.len() * nkv * hd).map(|_| lcg(&mut seed)).collect();
+            let v: Vec<f32> = (0..rows.len() * nkv * hd).map(|_| lcg(&mut seed)).collect();
+            cache.write(0, &slots, &k, &v);
+        };
+        if prefix > 0 {
+            fill(&mut cache, &vec![0; prefix]);
+            cache.commit_row(0).unwrap();
+        }
+        let rows: Vec<u32> = (0..n as u32).map(|i| i % 3).collect();
+        fill(&mut cache, &rows);
+        let segments = cache.cells().segments(SeqId::DEFAULT).unwrap();
+        let mut counts = [0usize; 3];
+        let visible: Vec<Visible> = rows
+            .iter()
+            .map(|&r| {
+                counts[r as usize] += 1;
+                Visible {
+                    seq: 0,
+                    prefix: &segments,
+                    row_slots: cache.row_slots(r as usize),
+                    count: counts[r as usize],
+                }
+            })
+            .collect();
+        let q: Vec<f32> = (0..n * nh * hd).map(|_| lcg(&mut seed)).collect();
+        let mut fast = vec![0f32; n * nh * hd];
+        attend(
+            &q,
+            &cache,
+            0,
+            &visible,
+            Heads {
+                n: nh,
+                kv: nkv,
+                dim: hd,
+            },
+            &mut fast,
+        );
+        FORCE_PORTABLE.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut portable = vec![0f32; n * nh * hd];
+        attend(
+            &q,
+            &cache,
+            0,
+            &visible,
+            Heads {
+                n: nh,
+                kv: nkv,
+                dim: hd,
+            },
+            &mut portable,
+        );
+        FORCE_PORTABLE.store(false, std::sync::atomic::Ordering::SeqCst);
+        assert!(
+            fast.iter()
+                .zip(&portable)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "head_dim {hd}: the paths differ"
+        );
+    }
+}

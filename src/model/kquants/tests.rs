@@ -1,0 +1,245 @@
+//! Tests of the module above.
+
+use super::*;
+use refusion_convert::quant;
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+fn dequantized_acts(acts: &[Q8K]) -> Vec<f32> {
+    let mut out = Vec::new();
+    for a in acts {
+        for i in 0..QK {
+            out.push(a.qs[stored_at(i)] as f32 * a.d);
+        }
+    }
+    out
+}
+
+/// Our paths this CPU runs.
+fn paths() -> Vec<CpuPath> {
+    CpuPath::runnable()
+        .into_iter()
+        .filter(|&p| p != CpuPath::Generic)
+        .collect()
+}
+
+/// The kernels of every runnable path against dequantized weights times dequantized
+/// activations (f64).
+fn check(ty: GgmlType, rows: usize, k: usize, m: usize) {
+    let mut seed = 7u64 + rows as u64 * 31 + m as u64;
+    let wf: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
+    let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed) * 3.0).collect();
+    let mut data = vec![0u8; rows * k / QK * Packed::of(ty).unwrap().block_bytes()];
+    quant::quantize(ty, &wf, k, &mut data);
+    let mut wd = vec![0f32; rows * k];
+    assert!(quant::dequantize(ty, &data, &mut wd));
+    let mut acts = Vec::new();
+    quantize_rows(&x, k, &mut acts);
+    let xd = dequantized_acts(&acts);
+    let w = PackedMatrix::pack(ty, rows, k, &data);
+    let mut first: Option<(CpuPath, Vec<f32>)> = None;
+    for path in paths() {
+        // NaN past the end: nothing may be written there (the padded last run).
+        let mut buf = vec![f32::NAN; m * rows + 16];
+        let (out, beyond) = buf.split_at_mut(m * rows);
+        matmul_on(path, &[&w], &x, m, &mut [&mut out[..]]);
+        assert!(
+            beyond.iter().all(|v| v.is_nan()),
+            "{path:?} wrote past the output"
+        );
+        for t in 0..m {
+            for r in 0..rows {
+                let want: f64 = (0..k)
+                    .map(|i| wd[r * k + i] as f64 * xd[t * k + i] as f64)
+                    .sum();
+                let got = out[t * rows + r] as f64;
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "{path:?} {ty} rows {rows} k {k} m {m}: [{t}][{r}] {got} vs {want}"
+                );
+            }
+        }
+        // Every path gives the same floats to the bit (exact integer sums, the same
+        // float operations in the same order).
+        match &first {
+            None => first = Some((path, out.to_vec())),
+            Some((p0, o0)) => assert!(
+                o0.iter()
+                    .zip(out.iter())
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{path:?} and {p0:?} differ on {ty} rows {rows} k {k} m {m}"
+            ),
+        }
+    }
+}
+
+const TYPES: [GgmlType; 4] = [
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::Q8_0,
+];
+
+#[test]
+fn stored_order_is_a_permutation() {
+    let mut seen = [false; QK];
+    for i in 0..QK {
+        assert!(!seen[stored_at(i)]);
+        seen[stored_at(i)] = true;
+    }
+}
+
+#[test]
+fn quantized_activations_round_trip() {
+    let mut seed = 3;
+    let x: Vec<f32> = (0..2 * QK).map(|_| lcg(&mut seed)).collect();
+    let mut acts = Vec::new();
+    quantize_rows(&x, QK, &mut acts);
+    let back = dequantized_acts(&acts);
+    for (a, b) in x.iter().zip(&back) {
+        assert!((a - b).abs() <= acts[0].d.abs().max(acts[1].d.abs()) * 0.51);
+    }
+    for a in &acts {
+        for (s, c) in a.bsums.iter().enumerate() {
+            let want: i16 = (0..16).map(|i| a.qs[stored_at(16 * s + i)] as i16).sum();
+            assert_eq!(*c, want);
+        }
+    }
+}
+
+#[test]
+fn every_type_matches_the_dequantized_product() {
+    if !available() {
+        return;
+    }
+    for ty in TYPES {
+        // 37 rows: two packed runs and a 5-row tail; 1..9 tokens: every tile width.
+        for m in [1, 2, 3, 4, 5, 9] {
+            check(ty, 37, 512, m);
+        }
+        check(ty, 16, 2048, 4);
+    }
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn the_portable_packer_writes_the_avx512_packers_bytes() {
+    if !paths().contains(&CpuPath::Avx512) {
+        return;
+    }
+    let (rows, k) = (32, 512);
+    let mut seed = 5;
+    // Q5_K and Q8_0 have only the portable packer.
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        let wf: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
+        let mut data = vec![0u8; rows * k / QK * Packed::of(ty).unwrap().block_bytes()];
+        quant::quantize(ty, &wf, k, &mut data);
+        let lines = Packed::of(ty).unwrap().tile_bytes();
+        for (r0, b) in [(0, 0), (16, 1)] {
+            let (mut wide, mut portable) = (vec![0u8; lines], vec![1u8; lines]);
+            // SAFETY: the CPU has AVX-512 (checked above).
+            unsafe { avx512::pack_tile(Packed::of(ty).unwrap(), &data, r0, b, k / QK, &mut wide) };
+            scalar::pack_tile(Packed::of(ty).unwrap(), &data, r0, b, k / QK, &mut portable);
+            assert!(wide == portable, "{ty} tile ({r0}, {b}) differs");
+        }
+    }
+}
+
+#[test]
+fn refusion_cpu_names_a_path_the_cpu_runs() {
+    assert_eq!(CpuPath::choose(None), Ok(None));
+    for p in CpuPath::runnable() {
+        assert_eq!(CpuPath::choose(Some(p.name())), Ok(Some(p)));
+        assert_eq!(CpuPath::choose(Some(&p.name().to_uppercase())), Ok(Some(p)));
+    }
+    let err = CpuPath::choose(Some("sse9")).unwrap_err();
+    assert!(
+        err.contains("unknown kernel path") && err.contains("avx2"),
+        "{err}"
+    );
+    // The other architecture's paths, and AVX-512 where the CPU lacks it.
+    let other = if cfg!(target_arch = "aarch64") {
+        "avx2"
+    } else {
+        "neon"
+    };
+    for name in [other, "avx512"] {
+        if !CpuPath::runnable().iter().any(|p| p.name() == name) {
+            let err = CpuPath::choose(Some(name)).unwrap_err();
+            assert!(err.contains("cannot run"), "{err}");
+        }
+    }
+}
+
+#[test]
+fn several_weights_share_one_quantization() {
+    if !available() {
+        return;
+    }
+    let k = 256;
+    let mut seed = 11;
+    let x: Vec<f32> = (0..3 * k).map(|_| lcg(&mut seed)).collect();
+    let mk = |ty: GgmlType, rows: usize, seed: &mut u64| {
+        let wf: Vec<f32> = (0..rows * k).map(|_| lcg(seed)).collect();
+        let mut data = vec![0u8; rows * k / QK * Packed::of(ty).unwrap().block_bytes()];
+        quant::quantize(ty, &wf, k, &mut data);
+        data
+    };
+    let a = mk(GgmlType::Q4_K, 20, &mut seed);
+    let b = mk(GgmlType::Q6_K, 33, &mut seed);
+    let wa = PackedMatrix::pack(GgmlType::Q4_K, 20, k, &a);
+    let wb = PackedMatrix::pack(GgmlType::Q6_K, 33, k, &b);
+    let (mut oa, mut ob) = (vec![0f32; 3 * 20], vec![0f32; 3 * 33]);
+    matmul_many(&[&wa, &wb], &x, 3, &mut [&mut oa, &mut ob]);
+    let (mut sa, mut sb) = (vec![0f32; 3 * 20], vec![0f32; 3 * 33]);
+    matmul_many(&[&wa], &x, 3, &mut [&mut sa]);
+    matmul_many(&[&wb], &x, 3, &mut [&mut sb]);
+    assert_eq!(oa, sa);
+    assert_eq!(ob, sb);
+}
+
+/// Batch invariance: a token's output is the same to the bit whether it is multiplied alone
+/// or as row `t` of a batch of any size (so a request's answer cannot depend on what else
+/// is in the forward), on every path the CPU runs.
+#[test]
+fn a_tokens_product_does_not_depend_on_the_batch() {
+    if !available() {
+        return;
+    }
+    let (rows, k) = (40, 512);
+    for ty in TYPES {
+        let mut seed = 5u64;
+        let wf: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
+        let mut data = vec![0u8; rows * k / QK * Packed::of(ty).unwrap().block_bytes()];
+        quant::quantize(ty, &wf, k, &mut data);
+        let w = PackedMatrix::pack(ty, rows, k, &data);
+        let x: Vec<f32> = (0..17 * k).map(|_| lcg(&mut seed) * 2.0).collect();
+        for path in paths() {
+            let alone: Vec<Vec<f32>> = (0..17)
+                .map(|t| {
+                    let mut o = vec![0f32; rows];
+                    matmul_on(path, &[&w], &x[t * k..(t + 1) * k], 1, &mut [&mut o[..]]);
+                    o
+                })
+                .collect();
+            for m in 1..=17 {
+                let mut o = vec![0f32; m * rows];
+                matmul_on(path, &[&w], &x[..m * k], m, &mut [&mut o[..]]);
+                for (t, want) in alone.iter().enumerate().take(m) {
+                    let got = &o[t * rows..(t + 1) * rows];
+                    assert!(
+                        got.iter()
+                            .zip(want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{path:?} {ty}: token {t} in a batch of {m} differs from alone"
+                    );
+                }
+            }
+        }
+    }
+}
