@@ -6,10 +6,8 @@
 
 use std::cell::RefCell;
 
-#[cfg(target_arch = "x86_64")]
-use crate::kv::Segment;
 pub use crate::kv::Visible;
-use crate::kv::{HeadView, Kv, KvCache};
+use crate::kv::{HeadView, Kv, KvCache, Segment};
 use crate::model::{expf, Heads};
 
 /// `a · b` with eight partial sums (vectorizes; keeps rounding error low).
@@ -289,119 +287,133 @@ pub fn attend(
         for task in tasks {
             let (b, g) = (task / n_kv_heads, task % n_kv_heads);
             let toks = blocks[b].clone();
-            let nt = toks.len();
-            let prefix = visible[toks.start].prefix;
-            let shared = visible[toks.start].prefix_len();
             let keys = cache.head(layer, Kv::K, g);
             let values = cache.head(layer, Kv::V, g);
-            // Query (token, head) pairs of this task, in order: row index = j * group + h.
-            let q_of = |j: usize, h: usize| {
-                let i = toks.start + j;
-                &q[(i * n_heads + g * group + h) * head_dim..][..head_dim]
+            let block = Block {
+                q,
+                n_heads,
+                g,
+                group,
+                head_dim,
+                prefix: visible[toks.start].prefix,
+                toks,
+                visible,
+                stride,
+                scale,
             };
             #[cfg(target_arch = "x86_64")]
-            if avx2 && nt * group <= MAX_QUERIES && fast_path_allowed() {
+            if avx2 && block.toks.len() * group <= MAX_QUERIES && fast_path_allowed() {
                 if let (HeadView::F32(k), HeadView::F32(v)) = (&keys, &values) {
-                    let b = Block {
-                        q,
-                        n_heads,
-                        g,
-                        group,
-                        head_dim,
-                        toks: toks.clone(),
-                        visible,
-                        prefix,
-                        stride,
-                        scale,
-                    };
                     // SAFETY: the CPU has AVX2 and FMA; this task writes only its own tokens'
                     // heads of `out`, which outlives the call.
-                    unsafe { b.run_f32_avx2(k, v, &out_ptr) };
+                    unsafe { block.run_f32_avx2(k, v, &out_ptr) };
                     continue;
                 }
             }
-            SCRATCH.with(|cell| {
-                let mut cell = cell.borrow_mut();
-                let (scores, kbuf) = &mut *cell;
-                let need = nt * group * stride;
-                if scores.len() < need {
-                    scores.resize(need, 0.0);
-                }
-                if kbuf.len() < head_dim {
-                    kbuf.resize(head_dim, 0.0);
-                }
-                let scores = &mut scores[..need];
-                let kbuf = &mut kbuf[..head_dim];
-                let prefix_slots = || prefix.iter().flat_map(|s| s.start..s.start + s.len);
-                // Scores against the shared prefix: one read of each key for the whole block.
-                for (t, slot) in prefix_slots().enumerate() {
-                    let k = entry(&keys, slot, head_dim, kbuf);
-                    for j in 0..nt {
-                        for h in 0..group {
-                            scores[(j * group + h) * stride + t] = dot(q_of(j, h), k, avx2) * scale;
-                        }
-                    }
-                }
-                // Scores against each token's own row entries.
-                for j in 0..nt {
-                    let vis = visible[toks.start + j];
-                    for u in 0..vis.count {
-                        let k = entry(&keys, vis.row_slots[u], head_dim, kbuf);
-                        for h in 0..group {
-                            scores[(j * group + h) * stride + shared + u] =
-                                dot(q_of(j, h), k, avx2) * scale;
-                        }
-                    }
-                }
-                for j in 0..nt {
-                    let n_keys = shared + visible[toks.start + j].count;
-                    for h in 0..group {
-                        softmax(&mut scores[(j * group + h) * stride..][..n_keys]);
-                    }
-                }
-                // SAFETY: each task writes the (token, head group) parts of `out` that belong
-                // to its own tokens and KV head: disjoint across tasks; `out` outlives the call.
-                let out_of = |j: usize, h: usize| unsafe {
-                    let i = toks.start + j;
-                    std::slice::from_raw_parts_mut(
-                        out_ptr.get().add((i * n_heads + g * group + h) * head_dim),
-                        head_dim,
-                    )
-                };
-                for j in 0..nt {
-                    for h in 0..group {
-                        out_of(j, h).fill(0.0);
-                    }
-                }
-                for (t, slot) in prefix_slots().enumerate() {
-                    let v = entry(&values, slot, head_dim, kbuf);
-                    for j in 0..nt {
-                        for h in 0..group {
-                            axpy(out_of(j, h), scores[(j * group + h) * stride + t], v, avx2);
-                        }
-                    }
-                }
-                for j in 0..nt {
-                    let vis = visible[toks.start + j];
-                    for u in 0..vis.count {
-                        let v = entry(&values, vis.row_slots[u], head_dim, kbuf);
-                        for h in 0..group {
-                            axpy(
-                                out_of(j, h),
-                                scores[(j * group + h) * stride + shared + u],
-                                v,
-                                avx2,
-                            );
-                        }
-                    }
-                }
-            });
+            block.run_portable(&keys, &values, &out_ptr, avx2);
         }
     });
 }
 
+impl Block<'_> {
+    /// Query (token `j`, head `h`) of this block: row index `j * group + h`.
+    fn q_of(&self, j: usize, h: usize) -> &[f32] {
+        let i = self.toks.start + j;
+        &self.q[(i * self.n_heads + self.g * self.group + h) * self.head_dim..][..self.head_dim]
+    }
+
+    /// The portable loops (any cache type, any CPU): the block's scores against the shared
+    /// prefix (each key read once for the whole block) and each token's own row entries, one
+    /// softmax each, then the values summed in the same order.
+    fn run_portable(
+        &self,
+        keys: &HeadView<'_>,
+        values: &HeadView<'_>,
+        out_ptr: &SharedOut,
+        avx2: bool,
+    ) {
+        let (nt, group, stride, head_dim) =
+            (self.toks.len(), self.group, self.stride, self.head_dim);
+        let shared = self.visible[self.toks.start].prefix_len();
+        SCRATCH.with(|cell| {
+            let mut cell = cell.borrow_mut();
+            let (scores, kbuf) = &mut *cell;
+            let need = nt * group * stride;
+            if scores.len() < need {
+                scores.resize(need, 0.0);
+            }
+            if kbuf.len() < head_dim {
+                kbuf.resize(head_dim, 0.0);
+            }
+            let scores = &mut scores[..need];
+            let kbuf = &mut kbuf[..head_dim];
+            let prefix_slots = || self.prefix.iter().flat_map(|s| s.start..s.start + s.len);
+            // Scores against the shared prefix: one read of each key for the whole block.
+            for (t, slot) in prefix_slots().enumerate() {
+                let k = entry(keys, slot, head_dim, kbuf);
+                for j in 0..nt {
+                    for h in 0..group {
+                        scores[(j * group + h) * stride + t] =
+                            dot(self.q_of(j, h), k, avx2) * self.scale;
+                    }
+                }
+            }
+            // Scores against each token's own row entries.
+            for j in 0..nt {
+                let vis = self.visible[self.toks.start + j];
+                for u in 0..vis.count {
+                    let k = entry(keys, vis.row_slots[u], head_dim, kbuf);
+                    for h in 0..group {
+                        scores[(j * group + h) * stride + shared + u] =
+                            dot(self.q_of(j, h), k, avx2) * self.scale;
+                    }
+                }
+            }
+            for j in 0..nt {
+                let n_keys = shared + self.visible[self.toks.start + j].count;
+                for h in 0..group {
+                    softmax(&mut scores[(j * group + h) * stride..][..n_keys]);
+                }
+            }
+            // SAFETY: each task writes the (token, head group) parts of `out` that belong to
+            // its own tokens and KV head: disjoint across tasks; `out` outlives the call.
+            let out_of = |j: usize, h: usize| unsafe {
+                let i = self.toks.start + j;
+                std::slice::from_raw_parts_mut(
+                    out_ptr
+                        .get()
+                        .add((i * self.n_heads + self.g * group + h) * head_dim),
+                    head_dim,
+                )
+            };
+            for j in 0..nt {
+                for h in 0..group {
+                    out_of(j, h).fill(0.0);
+                }
+            }
+            for (t, slot) in prefix_slots().enumerate() {
+                let v = entry(values, slot, head_dim, kbuf);
+                for j in 0..nt {
+                    for h in 0..group {
+                        axpy(out_of(j, h), scores[(j * group + h) * stride + t], v, avx2);
+                    }
+                }
+            }
+            for j in 0..nt {
+                let vis = self.visible[self.toks.start + j];
+                for u in 0..vis.count {
+                    let v = entry(values, vis.row_slots[u], head_dim, kbuf);
+                    for h in 0..group {
+                        let p = scores[(j * group + h) * stride + shared + u];
+                        axpy(out_of(j, h), p, v, avx2);
+                    }
+                }
+            }
+        });
+    }
+}
+
 /// One task of [`attend`]: a block of one sequence's tokens and one KV head.
-#[cfg(target_arch = "x86_64")]
 struct Block<'a> {
     q: &'a [f32],
     n_heads: usize,
