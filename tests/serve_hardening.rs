@@ -253,7 +253,7 @@ fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
         &model,
         &[
             "--max-body-bytes",
-            "4000000",
+            "8000000",
             "--max-connections",
             "3",
             "--header-timeout",
@@ -308,10 +308,12 @@ fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
         .expect("the oldest stalled body kept its place");
     drop(stalled);
     // Requests being answered are never evicted: with every place answering one (a long text
-    // being tokenized, seconds each), others get 503, but /health is still answered.
+    // being tokenized, seconds each), others get 503, but /health is still answered. A body
+    // still arriving is evictable, so the checks start once the bodies are surely in (they
+    // take milliseconds; the tokenizing, seconds).
     let long_tokenize = format!(
         r#"{{"content":"{}","with_pieces":true}}"#,
-        "hello world ".repeat(200_000)
+        "hello world ".repeat(300_000)
     );
     let answering: Vec<TcpStream> = (0..3)
         .map(|_| {
@@ -324,8 +326,8 @@ fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
             s
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(300));
-    for _ in 0..20 {
+    std::thread::sleep(Duration::from_millis(1500));
+    for _ in 0..10 {
         let (status, head, body) = request(&server, "GET", "/v1/models", &[], "");
         assert_eq!(status, 503, "{head}\n{body}");
         assert!(
