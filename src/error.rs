@@ -43,6 +43,9 @@ pub enum RequestError {
     },
     #[error("{0}")]
     Params(String),
+    /// An answer template that cannot be decoded (no gap, a malformed marker, ...).
+    #[error("template: {0}")]
+    Template(String),
     /// A request field out of range or unknown (`field` as the API names it).
     #[error("{message}")]
     Field {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use common::*;
-use refusion::decode::generate;
+use refusion::decode::{generate, Kind};
 use refusion::gguf::GgufFile;
 use refusion::kv::CacheType;
 use refusion::model::{Offload, Qwen3};
@@ -98,8 +98,26 @@ fn every_public_golden_case_matches_with_one_layer_offloaded_and_small_chunks() 
     );
 }
 
+/// The infill strategy without a template is one gap of the gen length: slot decoding over
+/// the same slots, the same forwards (the cases whose gen length splits evenly into its
+/// serial blocks: infilling never leaves the reference's unsplit tail out).
+#[test]
+fn every_golden_case_is_also_the_infill_strategy_with_one_gap() {
+    check_every_case_as(&PUBLIC, None, None, Kind::Infill);
+    check_every_case_as(&TINY, None, None, Kind::Infill);
+}
+
 /// Small chunks and attention tiles of 5 shared entries: many tile edges on every case.
 fn check_every_case(set: &Goldens, offload: Option<Offload>, ubatch: Option<usize>) {
+    check_every_case_as(set, offload, ubatch, Kind::Slots)
+}
+
+fn check_every_case_as(
+    set: &Goldens,
+    offload: Option<Offload>,
+    ubatch: Option<usize>,
+    strategy: Kind,
+) {
     let text = std::fs::read_to_string(fixtures().join(set.file)).unwrap();
     let goldens: Value = serde_json::from_str(&text).unwrap();
     let cases = goldens["cases"].as_array().unwrap();
@@ -129,7 +147,11 @@ fn check_every_case(set: &Goldens, offload: Option<Offload>, ubatch: Option<usiz
         let id = case["id"].as_str().unwrap();
         let model = &models[case["model"].as_str().unwrap()];
         let prompt = golden_ids(&case["prompt_ids"]);
-        let p = golden_params(case);
+        let mut p = golden_params(case);
+        p.strategy = strategy;
+        if strategy == Kind::Infill && p.dropped_tail() != 0 {
+            continue;
+        }
         let capacity = prompt.len() + 2 * p.padded_gen_length() as usize + 8;
         let mut cache = model.new_cache(capacity, CacheType::F32, None).unwrap();
         let r = generate(model, &mut cache, &prompt, &p, &mut |_| {}).unwrap();

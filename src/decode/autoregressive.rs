@@ -123,6 +123,7 @@ impl Strategy for Autoregressive {
             forward_tokens: self.forward_tokens,
             forward_sizes: std::mem::take(&mut self.forward_sizes),
             eos_index,
+            filled: None,
         }
     }
 }

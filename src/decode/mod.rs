@@ -17,6 +17,7 @@ mod params;
 mod probs;
 mod slots;
 pub mod strategy;
+pub mod template;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -26,6 +27,7 @@ pub use params::DecodeParams;
 pub use probs::{argmax, prob};
 pub use slots::SlotDecoder;
 pub use strategy::{start, Kind, Poll, Strategy};
+pub use template::{Filled, GapFill, Piece, Template, TextPiece};
 
 use crate::error::{Error, RequestError, Result};
 use crate::kv::{KvCache, SeqId};
@@ -69,14 +71,29 @@ pub struct DecodeResult {
     /// Tokens fed by each call, in order (all rows together): what a cost curve t(n) turns
     /// into a time for another model size.
     pub forward_sizes: Vec<u32>,
-    /// Index into `tokens` of the first EOS, if any.
+    /// Index into `tokens` of the first EOS, if any (none for a template: see `filled`).
     pub eos_index: Option<usize>,
+    /// A template's answer and gap fills ([`Kind::Infill`]).
+    pub filled: Option<Filled>,
 }
 
 impl DecodeResult {
-    /// The answer: generated tokens up to (not including) the first EOS by position.
+    /// The answer: generated tokens up to (not including) the first EOS by position; for a
+    /// template, its spans and fills stitched in order.
     pub fn answer(&self) -> &[u32] {
-        &self.tokens[..self.eos_index.unwrap_or(self.tokens.len())]
+        match &self.filled {
+            Some(f) => &f.answer,
+            None => &self.tokens[..self.eos_index.unwrap_or(self.tokens.len())],
+        }
+    }
+
+    /// Whether the answer ended at an EOS (OpenAI's finish reason "stop", not "length"); for
+    /// a template, whether every gap did.
+    pub fn stopped(&self) -> bool {
+        match &self.filled {
+            Some(f) => f.gaps.iter().all(|g| g.eos),
+            None => self.eos_index.is_some(),
+        }
     }
 }
 
@@ -118,7 +135,10 @@ pub fn check(prompt: &[u32], params: &DecodeParams, vocab: usize, capacity: usiz
     if let Some(&token) = prompt.iter().find(|&&t| t as usize >= vocab) {
         return Err(RequestError::OutsideVocabulary { token, vocab }.into());
     }
-    let gen = params.padded_gen_length() as usize;
+    if params.strategy == Kind::Infill {
+        params.answer_template().validate(params.mask_id, vocab)?;
+    }
+    let gen = params.answer_len() as usize;
     let block = params.strategy.scratch(params);
     let needed = prompt.len() + gen + block;
     if needed > capacity {

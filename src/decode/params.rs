@@ -2,6 +2,10 @@
 
 use refusion_gguf::DecodingDefaults;
 
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use super::template::Template;
 use crate::error::RequestError;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -20,6 +24,9 @@ pub struct DecodeParams {
     pub reference_eos_bug: bool,
     /// How to decode ([`super::Kind`]): ReFusion's slot decoding unless asked otherwise.
     pub strategy: super::Kind,
+    /// The answer's known spans and gaps, for [`super::Kind::Infill`] (none: one gap of the
+    /// gen length).
+    pub template: Option<Arc<Template>>,
 }
 
 impl DecodeParams {
@@ -36,6 +43,33 @@ impl DecodeParams {
             mask_id,
             reference_eos_bug: false,
             strategy: super::Kind::Slots,
+            template: None,
+        }
+    }
+
+    /// Decodes `template` with the infill strategy.
+    pub fn with_template(mut self, template: Template) -> DecodeParams {
+        self.strategy = super::Kind::Infill;
+        self.template = Some(Arc::new(template));
+        self
+    }
+
+    /// The template the infill strategy decodes: the one given, or one gap of the gen length.
+    pub fn answer_template(&self) -> Cow<'_, Template> {
+        match &self.template {
+            Some(t) => Cow::Borrowed(t.as_ref()),
+            None => Cow::Owned(Template::single_gap(self.gen_length)),
+        }
+    }
+
+    /// Positions the answer takes after the prompt: the padded gen length, or a template's
+    /// spans and padded gaps (saturating at u32::MAX for what [`Self::validate`] refuses).
+    pub fn answer_len(&self) -> u32 {
+        match (self.strategy, &self.template) {
+            (super::Kind::Infill, Some(t)) => {
+                u32::try_from(t.positions(self.slot_size)).unwrap_or(u32::MAX)
+            }
+            _ => self.padded_gen_length(),
         }
     }
 
@@ -91,11 +125,29 @@ impl DecodeParams {
     /// Whether these parameters can be decoded with: a caller's mistake when not.
     pub fn validate(&self) -> std::result::Result<(), RequestError> {
         let mut d = self.defaults();
-        if self.strategy != super::Kind::Slots {
+        match self.strategy {
+            super::Kind::Slots => {}
             // Slots and serial blocks are slot decoding's: any gen length works without them.
-            (d.slot_size, d.serial_blocks) = (1, 1);
+            super::Kind::Autoregressive => (d.slot_size, d.serial_blocks) = (1, 1),
+            // Each gap is spread over the serial blocks evenly: any number of them works.
+            super::Kind::Infill => {
+                if !(1..=refusion_gguf::decoding::MAX_TOKENS).contains(&self.serial_blocks) {
+                    return Err(RequestError::Params(format!(
+                        "serial blocks must be in 1..={}, got {}",
+                        refusion_gguf::decoding::MAX_TOKENS,
+                        self.serial_blocks
+                    )));
+                }
+                (d.gen_length, d.serial_blocks) = (d.slot_size.max(1), 1);
+            }
         }
         d.validate().map_err(RequestError::Params)?;
+        if self.template.is_some() && self.strategy != super::Kind::Infill {
+            return Err(RequestError::Template(format!(
+                "gaps are filled by slot decoding; strategy '{}' cannot fill them",
+                self.strategy
+            )));
+        }
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(RequestError::Params(format!(
                 "temperature must be >= 0, got {}",

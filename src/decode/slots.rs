@@ -10,13 +10,21 @@
 //! chosen slots as parallel rows, up to `slot_size` rounds).
 
 use super::strategy::{Poll, Strategy};
+use super::template::Filled;
 use super::{argmax, prob, DecodeParams, DecodeResult, Event, Noise};
 use crate::error::{Error, Result};
 use crate::kv::SeqCache;
 use crate::model::{Batch, LogitsFor, LogitsRef};
 
 mod infill;
+mod layout;
 use infill::{build_rows, Infill};
+use layout::Layout;
+
+/// The most masked tokens one planning forward of the infill strategy holds.
+pub fn infill_scratch(params: &DecodeParams) -> usize {
+    Layout::template(0, &params.answer_template(), params).max_block_tokens()
+}
 
 /// The planning forward's drafts of the remaining slots and the slots chosen to verify.
 struct Planned {
@@ -42,14 +50,16 @@ pub struct SlotDecoder {
     p: DecodeParams,
     k: usize,
     prompt_len: usize,
-    block_len: usize,
+    /// Where the slots are, and which runs of them an EOS has ended.
+    layout: Layout,
     /// The serial block being decoded.
     block: usize,
     /// Remaining slots of the block, by start position, in position order.
     slots: Vec<u32>,
-    /// The part of the prompt not in the cache yet (fed with the first planning forward).
-    pending_prompt: Vec<u32>,
-    eos_flag: bool,
+    /// The tokens not in the cache yet, at their positions: the rest of the prompt and any
+    /// known spans of a template (fed with the first planning forward).
+    pending: Vec<u32>,
+    pending_pos: Vec<u32>,
     noise: Noise,
     /// Committed tokens and positions, in cache order (prompt first).
     cur_x: Vec<u32>,
@@ -71,15 +81,41 @@ impl SlotDecoder {
     /// A decoder of `prompt`, whose first `cached` tokens are already the sequence's shared
     /// entries. The caller has checked the prompt and the cache's room ([`super::check`]).
     pub fn new(prompt: &[u32], cached: usize, params: &DecodeParams) -> SlotDecoder {
+        let layout = Layout::contiguous(prompt.len() as u32, params);
+        SlotDecoder::with_layout(prompt, cached, params, layout, (Vec::new(), Vec::new()))
+    }
+
+    /// The infill strategy's decoder ([`super::Kind::Infill`]): the template's known spans
+    /// committed at their positions with the prompt's first forward, its gaps decoded as runs
+    /// of slots (without a template: one gap of the gen length).
+    pub fn infill(prompt: &[u32], cached: usize, params: &DecodeParams) -> SlotDecoder {
+        let t = params.answer_template();
+        let start = prompt.len() as u32;
+        let layout = Layout::template(start, &t, params);
+        let known = t.known(start, params.slot_size);
+        SlotDecoder::with_layout(prompt, cached, params, layout, known)
+    }
+
+    fn with_layout(
+        prompt: &[u32],
+        cached: usize,
+        params: &DecodeParams,
+        layout: Layout,
+        (known, known_pos): (Vec<u32>, Vec<u32>),
+    ) -> SlotDecoder {
+        let mut pending = prompt[cached..].to_vec();
+        let mut pending_pos: Vec<u32> = (cached as u32..prompt.len() as u32).collect();
+        pending.extend(known);
+        pending_pos.extend(known_pos);
         let mut d = SlotDecoder {
             p: params.clone(),
             k: params.slot_size as usize,
             prompt_len: prompt.len(),
-            block_len: params.block_len() as usize,
+            layout,
             block: 0,
             slots: Vec::new(),
-            pending_prompt: prompt[cached..].to_vec(),
-            eos_flag: false,
+            pending,
+            pending_pos,
             noise: Noise::new(params.seed),
             cur_x: prompt[..cached].to_vec(),
             cur_pos: (0..cached as u32).collect(),
@@ -97,10 +133,7 @@ impl SlotDecoder {
     }
 
     fn start_block(&mut self) {
-        let start = self.prompt_len + self.block * self.block_len;
-        self.slots = (0..self.block_len / self.k)
-            .map(|s| (start + s * self.k) as u32)
-            .collect();
+        self.slots = self.layout.block(self.block);
     }
 
     /// Removes the step's finished slots and moves to the next step, block or the end.
@@ -115,10 +148,13 @@ impl SlotDecoder {
         }
         let mut it = keep.iter();
         self.slots.retain(|_| *it.next().unwrap_or(&true));
+        // Slots past their run's EOS are never decoded (the reference: those after its EOS).
+        let layout = &self.layout;
+        self.slots.retain(|&s| !layout.past_eos(s));
         self.phase = Phase::Plan;
         while self.slots.is_empty() {
             self.block += 1;
-            if self.eos_flag || self.block >= self.p.serial_blocks as usize {
+            if self.layout.all_ended() || self.block >= self.layout.blocks() {
                 self.phase = Phase::Done;
                 return;
             }
@@ -130,16 +166,15 @@ impl SlotDecoder {
     fn build_plan(&mut self) {
         let b = &mut self.batch;
         b.clear();
-        let first = self.cur_x.len() as u32;
-        for (i, &t) in self.pending_prompt.iter().enumerate() {
-            b.push(t, first + i as u32, 0);
+        for (&t, &pos) in self.pending.iter().zip(&self.pending_pos) {
+            b.push(t, pos, 0);
         }
         for &s in &self.slots {
             for j in 0..self.k as u32 {
                 b.push(self.p.mask_id, s + j, 0);
             }
         }
-        b.logits_for = LogitsFor::Indices((self.pending_prompt.len()..b.len()).collect());
+        b.logits_for = LogitsFor::Indices((self.pending.len()..b.len()).collect());
     }
 
     fn after_plan(
@@ -149,14 +184,13 @@ impl SlotDecoder {
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
         let (k, n_slots) = (self.k, self.slots.len());
-        let n_prompt = self.pending_prompt.len();
-        if n_prompt > 0 {
-            // The prompt's KV stays; the masks' is dropped.
-            let first = self.cur_x.len() as u32;
-            cache.truncate_rows(n_prompt)?;
+        let n_pending = self.pending.len();
+        if n_pending > 0 {
+            // The prompt's (and known spans') KV stays; the masks' is dropped.
+            cache.truncate_rows(n_pending)?;
             cache.commit_row(0)?;
-            self.cur_x.append(&mut self.pending_prompt);
-            self.cur_pos.extend((0..n_prompt as u32).map(|i| first + i));
+            self.cur_x.append(&mut self.pending);
+            self.cur_pos.append(&mut self.pending_pos);
         } else {
             cache.clear_rows()?;
         }
@@ -234,7 +268,6 @@ impl SlotDecoder {
             tags,
             a: 0,
             it: 0,
-            first_eos_row: None,
         };
         self.next_round(inf, cache, on_event)
     }
@@ -269,14 +302,14 @@ impl SlotDecoder {
     }
 
     /// The slots the verification accepts, `(slot, tokens kept)`, and the slots the step
-    /// removes: the whole slots in the passing prefix, or up to its first EOS (which ends the
-    /// decode: the slots from the EOS's on are removed).
+    /// removes: the whole slots in the passing prefix, or up to its first EOS (which ends its
+    /// run: the run's slots after it are removed, see [`Self::end_step`]).
     fn accepted(
         &mut self,
         chosen: &[usize],
         prefix_len: usize,
     ) -> (Vec<(usize, usize)>, Vec<usize>) {
-        let (k, n_slots) = (self.k, self.slots.len());
+        let k = self.k;
         let flat_tokens = &self.batch.tokens;
         let mut remain = Vec::new();
         let mut to_remove = Vec::new();
@@ -292,8 +325,8 @@ impl SlotDecoder {
                 };
                 remain.push((s, len));
             }
-            self.eos_flag = true;
-            to_remove.extend(chosen[eos_slot_pos - 1]..n_slots);
+            self.layout
+                .end_at(self.slots[chosen[eos_slot_pos - 1]] + eos_token_pos as u32);
         } else {
             let m = prefix_len / k;
             remain.extend(chosen[..m].iter().map(|&s| (s, k)));
@@ -417,7 +450,23 @@ impl Strategy for SlotDecoder {
             .skip(self.prompt_len)
             .map(|&i| self.cur_pos[i])
             .collect();
-        let eos_index = tokens.iter().position(|&t| t == self.p.eos_id);
+        let filled = (self.p.strategy == super::Kind::Infill).then(|| {
+            let t = self.p.answer_template();
+            let start = self.prompt_len as u32;
+            Filled::stitch(
+                &t,
+                start,
+                self.p.slot_size,
+                &tokens,
+                &positions,
+                self.p.eos_id,
+            )
+        });
+        // A template's fills each end at their own EOS ([`DecodeResult::answer`]).
+        let eos_index = match filled {
+            Some(_) => None,
+            None => tokens.iter().position(|&t| t == self.p.eos_id),
+        };
         let tpf = if self.tpf_steps > 0 {
             self.sum_tpf / self.tpf_steps as f64
         } else {
@@ -431,6 +480,7 @@ impl Strategy for SlotDecoder {
             forward_tokens: self.forward_tokens,
             forward_sizes: std::mem::take(&mut self.forward_sizes),
             eos_index,
+            filled,
         }
     }
 }

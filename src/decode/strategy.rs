@@ -52,15 +52,20 @@ pub enum Kind {
     /// noise at a temperature): the baseline to compare slot decoding with on one file
     /// (`autoregressive.rs`).
     Autoregressive,
+    /// Any-order generation: a template's known spans committed at their positions, its
+    /// gaps decoded by slot decoding's plan, verify and infill (`template.rs`,
+    /// `slots/layout.rs`). Without a template, one gap of the gen length.
+    Infill,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 2] = [Kind::Slots, Kind::Autoregressive];
+    pub const ALL: [Kind; 3] = [Kind::Slots, Kind::Autoregressive, Kind::Infill];
 
     pub fn name(self) -> &'static str {
         match self {
             Kind::Slots => "slots",
             Kind::Autoregressive => "ar",
+            Kind::Infill => "infill",
         }
     }
 
@@ -69,7 +74,7 @@ impl Kind {
     /// so feeds at least that token.
     pub fn max_reuse(self, prompt_len: usize) -> usize {
         match self {
-            Kind::Slots => prompt_len,
+            Kind::Slots | Kind::Infill => prompt_len,
             Kind::Autoregressive => prompt_len.saturating_sub(1),
         }
     }
@@ -81,6 +86,8 @@ impl Kind {
             Kind::Slots => params.block_len() as usize,
             // The token being fed.
             Kind::Autoregressive => 1,
+            // The largest serial block: every gap's share of slots in it.
+            Kind::Infill => super::slots::infill_scratch(params),
         }
     }
 }
@@ -119,5 +126,6 @@ pub fn start(prompt: &[u32], cached: usize, params: &DecodeParams) -> Box<dyn St
         Kind::Autoregressive => Box::new(super::autoregressive::Autoregressive::new(
             prompt, cached, params,
         )),
+        Kind::Infill => Box::new(super::slots::SlotDecoder::infill(prompt, cached, params)),
     }
 }

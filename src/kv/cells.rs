@@ -398,6 +398,20 @@ impl Cells {
         Ok(())
     }
 
+    /// Keeps the rows whose `keep` is set, renumbered in order.
+    pub fn select_rows(&mut self, id: SeqId, keep: &[bool]) -> Result<()> {
+        let s = self.seq_mut(id)?;
+        let rows = std::mem::take(&mut s.rows);
+        for (r, row) in rows.into_iter().enumerate() {
+            if keep.get(r).copied().unwrap_or(true) {
+                s.rows.push(row);
+            } else {
+                s.free.extend(row);
+            }
+        }
+        Ok(())
+    }
+
     pub fn clear_rows(&mut self, id: SeqId) -> Result<()> {
         let start = self.region(self.seq(id)?.region).start;
         let s = self.seq_mut(id)?;

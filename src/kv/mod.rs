@@ -439,6 +439,11 @@ impl SeqCache<'_> {
         self.cache.cells.retain_rows(self.id, n)
     }
 
+    /// Keeps the rows whose `keep` is set (rows past its end too), renumbered in order.
+    pub fn select_rows(&mut self, keep: &[bool]) -> Result<()> {
+        self.cache.cells.select_rows(self.id, keep)
+    }
+
     /// Drops every private entry.
     pub fn clear_rows(&mut self) -> Result<()> {
         self.cache.cells.clear_rows(self.id)

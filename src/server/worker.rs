@@ -409,6 +409,9 @@ fn api_error(e: Error) -> ApiError {
                 RequestError::TooLong { .. } => err.param("max_tokens"),
                 RequestError::Field { field, .. } => err.param(field),
                 RequestError::Params(_) => err,
+                // The front ends check their templates first and name their own field; this
+                // is the completions' one.
+                RequestError::Template(_) => err.param("suffix"),
             }
         }
         e => ApiError::new(

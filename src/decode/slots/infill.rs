@@ -23,7 +23,6 @@ pub(super) struct Infill {
     pub(super) a: usize,
     /// The current round (`0..slot_size`).
     pub(super) it: usize,
-    pub(super) first_eos_row: Option<usize>,
 }
 
 impl SlotDecoder {
@@ -54,7 +53,7 @@ impl SlotDecoder {
         cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
-        let (k, a, eos) = (self.k, inf.a, self.p.eos_id);
+        let (k, a) = (self.k, inf.a);
         let width = k - a;
         let n_rows = inf.spec.len();
         for r in 0..n_rows {
@@ -73,19 +72,7 @@ impl SlotDecoder {
                 inf.tags[r][j] = ok;
             }
         }
-        // EOS among the newly verified tokens: keep rows up to the first such row.
-        if let Some(r) =
-            (0..n_rows).find(|&r| (a..k).any(|j| inf.tags[r][j] && inf.spec[r][j] == eos))
-        {
-            inf.first_eos_row = Some(r);
-            inf.spec.truncate(r + 1);
-            inf.tags.truncate(r + 1);
-            inf.tags[r].iter_mut().for_each(|t| *t = true);
-            inf.row_pos.truncate(r + 1);
-            inf.chosen.truncate(r + 1);
-            inf.row_slot_starts.truncate(r + 1);
-            cache.retain_rows(r + 1)?;
-        }
+        self.cut_after_eos(&mut inf, cache)?;
         let m = inf
             .tags
             .iter()
@@ -102,6 +89,36 @@ impl SlotDecoder {
         }
         inf.it += 1;
         self.next_round(inf, cache, on_event)
+    }
+
+    /// EOS among the newly verified tokens: the first row holding one in each run is kept
+    /// whole (its tags all set), the run's rows after it are dropped. With one run (plain
+    /// generation) that is the reference's "keep rows up to the first such row".
+    fn cut_after_eos(&self, inf: &mut Infill, cache: &mut SeqCache<'_>) -> Result<()> {
+        let (a, k, eos) = (inf.a, self.k, self.p.eos_id);
+        let mut eos_rows: Vec<usize> = Vec::new();
+        let mut keep = vec![true; inf.spec.len()];
+        for r in 0..inf.spec.len() {
+            let start = inf.row_slot_starts[r];
+            if eos_rows
+                .iter()
+                .any(|&e| self.layout.same_run(inf.row_slot_starts[e], start))
+            {
+                keep[r] = false;
+            } else if (a..k).any(|j| inf.tags[r][j] && inf.spec[r][j] == eos) {
+                eos_rows.push(r);
+                inf.tags[r].iter_mut().for_each(|t| *t = true);
+            }
+        }
+        if keep.iter().all(|&x| x) {
+            return Ok(());
+        }
+        retain_by(&mut inf.spec, &keep);
+        retain_by(&mut inf.tags, &keep);
+        retain_by(&mut inf.row_pos, &keep);
+        retain_by(&mut inf.chosen, &keep);
+        retain_by(&mut inf.row_slot_starts, &keep);
+        cache.select_rows(&keep)
     }
 
     /// Another infill round, or (all rows verified, or `slot_size` rounds done) the end of the
@@ -138,16 +155,20 @@ impl SlotDecoder {
                 inf.a
             )));
         }
+        // Every row's tokens, each cut after its own EOS (with one run: the reference's cut
+        // after the first EOS of the rows flattened, since rows after it were dropped).
         let mut entries = Vec::new();
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
-        'rows: for (r, row) in inf.spec.iter().enumerate() {
+        let mut eos_rows = Vec::new();
+        for (r, row) in inf.spec.iter().enumerate() {
             for (j, &t) in row.iter().enumerate() {
                 entries.push((r, j));
                 tokens.push(t);
                 positions.push(inf.row_pos[r][j]);
                 if t == eos {
-                    break 'rows;
+                    eos_rows.push((r, inf.row_pos[r][j]));
+                    break;
                 }
             }
         }
@@ -159,16 +180,14 @@ impl SlotDecoder {
             tokens: &tokens,
         });
         let mut to_remove = inf.to_remove.clone();
-        if let Some(r) = inf.first_eos_row {
-            // The fix of the reference's bug: remove from the EOS slot's own index, not from
-            // the row index (which would drop pending slots that were never generated).
-            let from = if self.p.reference_eos_bug {
-                r
-            } else {
-                inf.chosen[r]
-            };
-            to_remove.extend(from..n_slots);
-            self.eos_flag = true;
+        for &(_, pos) in &eos_rows {
+            // Its run's slots after the EOS go (the fix of the reference's bug: from the EOS
+            // slot's own index, where the reference removes from the row index, dropping
+            // pending slots that were never generated).
+            self.layout.end_at(pos);
+        }
+        if let (true, Some(&(r, _))) = (self.p.reference_eos_bug, eos_rows.first()) {
+            to_remove.extend(r..n_slots);
         }
         self.end_step(to_remove);
         Ok(())
@@ -189,4 +208,13 @@ pub(super) fn build_rows(b: &mut Batch, inf: &Infill, k: usize, mask: Option<u32
             b.push(t, inf.row_pos[r][j], r as u32);
         }
     }
+}
+
+/// Keeps the items whose `keep` is set.
+fn retain_by<T>(v: &mut Vec<T>, keep: &[bool]) {
+    let mut i = 0;
+    v.retain(|_| {
+        i += 1;
+        keep.get(i - 1).copied().unwrap_or(true)
+    });
 }
