@@ -31,7 +31,7 @@ impl<'t> Output<'t> {
         if a.visual && !a.json && !visual {
             eprintln!("note: --visual needs a terminal; printing the answer as text");
         }
-        let gen = params.padded_gen_length() as usize;
+        let gen = params.answer_len() as usize;
         Output {
             visual,
             stream: !a.json && !visual,

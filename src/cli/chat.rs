@@ -206,7 +206,7 @@ impl Chat<'_> {
                 return Ok(());
             }
         };
-        let gen = self.params.padded_gen_length() as usize;
+        let gen = self.params.answer_len() as usize;
         if prompt.len() + gen > self.context {
             eprintln!(
                 "error: the conversation ({} tokens) plus an answer ({gen}) exceeds the context of {}; /reset or raise -c",

@@ -342,7 +342,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let loaded = load(&opts)?;
     let params = a.decode.params(&loaded.file.header, &loaded.tokenizer)?;
     let prompt = a.prompt_of(&loaded, file_text.as_deref())?;
-    let gen = params.padded_gen_length() as usize;
+    let gen = params.answer_len() as usize;
     if prompt.len() + gen > loaded.context {
         bail!(
             "the prompt ({} tokens) and the gen length ({gen}) need {} tokens, more than the context of {} (raise -c or lower -n)",

@@ -129,6 +129,7 @@ impl SlotDecoder {
             logit_row: Vec::new(),
         };
         d.start_block();
+        d.skip_empty_blocks();
         d
     }
 
@@ -152,6 +153,12 @@ impl SlotDecoder {
         let layout = &self.layout;
         self.slots.retain(|&s| !layout.past_eos(s));
         self.phase = Phase::Plan;
+        self.skip_empty_blocks();
+    }
+
+    /// Moves on to the next serial block with slots to decode, or to the end. (A gap shorter
+    /// than its serial blocks leaves some of them empty, the first one too.)
+    fn skip_empty_blocks(&mut self) {
         while self.slots.is_empty() {
             self.block += 1;
             if self.layout.all_ended() || self.block >= self.layout.blocks() {

@@ -229,7 +229,7 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
             let Some(req) = self.waiting.front() else {
                 return;
             };
-            let gen = req.params.padded_gen_length() as usize;
+            let gen = req.params.answer_len() as usize;
             let block = req.params.strategy.scratch(&req.params);
             let (seq, reused) = loop {
                 let reuse = req.params.strategy.max_reuse(req.prompt.len());

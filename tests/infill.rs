@@ -1,0 +1,226 @@
+//! Any-order generation ("fill the gaps", `Kind::Infill`): every case of train/infill.py's
+//! reference (the model card's decoder with a template's known spans committed at their
+//! positions) gives exactly its tokens, TPF, forward calls and fills at f32, alone on the CPU
+//! path, with small chunks and attention tiles, and through the scheduler beside other
+//! requests (batch invariance).
+
+mod common;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use common::*;
+use refusion::decode::{generate, DecodeParams, DecodeResult, Piece, Template};
+use refusion::gguf::GgufFile;
+use refusion::kv::CacheType;
+use refusion::model::Qwen3;
+use refusion::sched::{Request, Scheduler, Update};
+use serde_json::Value;
+
+fn goldens() -> Vec<Value> {
+    let text = std::fs::read_to_string(fixtures().join("goldens_infill.json")).unwrap();
+    let doc: Value = serde_json::from_str(&text).unwrap();
+    doc["cases"].as_array().unwrap().clone()
+}
+
+fn model_dir(name: &str) -> std::path::PathBuf {
+    if name == "refusion-tiny" {
+        fixtures().join("../../models/refusion-tiny")
+    } else {
+        fixture_model(name)
+    }
+}
+
+fn models(dir: &std::path::Path, cases: &[Value], small_chunks: bool) -> HashMap<String, Qwen3> {
+    let mut names: Vec<&str> = cases.iter().map(|c| c["model"].as_str().unwrap()).collect();
+    names.sort();
+    names.dedup();
+    let mut out = HashMap::new();
+    for name in names {
+        let path = dir.join(format!("{name}.gguf"));
+        if !path.exists() {
+            convert_quiet(&model_dir(name), &path, "f32");
+        }
+        let mut m = Qwen3::load_offloaded(Arc::new(GgufFile::open(&path).unwrap()), None).unwrap();
+        if small_chunks {
+            m.set_ubatch(3);
+            m.set_attn_tile(5);
+        }
+        out.insert(name.to_string(), m);
+    }
+    out
+}
+
+fn template(case: &Value) -> Template {
+    let pieces = case["template"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| match p.get("gap") {
+            Some(n) => Piece::Gap(n.as_u64().unwrap() as u32),
+            None => Piece::Known(golden_ids(&p["known"])),
+        })
+        .collect();
+    Template { pieces }
+}
+
+fn params(case: &Value) -> DecodeParams {
+    // The gen length plays no part in a template (gaps carry their own).
+    let mut c = case.clone();
+    c["gen_length"] = 1.into();
+    let mut p = golden_params(&c);
+    p.seed = case["seed"].as_u64().unwrap();
+    p.with_template(template(case))
+}
+
+/// What differs from the case, if anything.
+fn differs(case: &Value, r: &DecodeResult) -> Option<String> {
+    let want = golden_ids(&case["tokens"]);
+    let tpf = case["tpf"].as_f64().unwrap();
+    let f = r.filled.as_ref().unwrap();
+    let fills: Vec<(Vec<u32>, bool)> = f.gaps.iter().map(|g| (g.tokens.clone(), g.eos)).collect();
+    let want_fills: Vec<(Vec<u32>, bool)> = case["fills"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| (golden_ids(&g["tokens"]), g["eos"].as_bool().unwrap()))
+        .collect();
+    let same = r.tokens == want
+        && r.positions == golden_ids(&case["positions"])
+        && (r.tpf - tpf).abs() < 1e-9
+        && r.forward_calls as u64 == case["n_forward"].as_u64().unwrap()
+        && f.answer == golden_ids(&case["answer"])
+        && fills == want_fills;
+    (!same).then(|| {
+        format!(
+            "{}: tokens {:?} tpf {} calls {} (want {want:?} tpf {tpf} calls {})",
+            case["id"], r.tokens, r.tpf, r.forward_calls, case["n_forward"]
+        )
+    })
+}
+
+fn check_alone(small_chunks: bool) {
+    let cases = goldens();
+    assert!(cases.len() >= 100, "{} cases", cases.len());
+    let tmp = tempfile::tempdir().unwrap();
+    let models = models(tmp.path(), &cases, small_chunks);
+    let mut failures = Vec::new();
+    for case in &cases {
+        let m = &models[case["model"].as_str().unwrap()];
+        let prompt = golden_ids(&case["prompt_ids"]);
+        let p = params(case);
+        let mut cache = m
+            .new_cache(prompt.len() + 1024, CacheType::F32, None)
+            .unwrap();
+        let r = generate(m, &mut cache, &prompt, &p, &mut |_| {}).unwrap();
+        failures.extend(differs(case, &r));
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases differ:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn every_infill_golden_case_matches_exactly() {
+    check_alone(false);
+}
+
+#[test]
+fn every_infill_golden_case_matches_with_small_chunks_and_tiles() {
+    check_alone(true);
+}
+
+#[test]
+fn the_goldens_cover_what_the_issue_asks_for() {
+    let cases = goldens();
+    let has = |f: &dyn Fn(&Value) -> bool| cases.iter().filter(|c| f(c)).count();
+    let pieces = |c: &Value| c["template"].as_array().unwrap().clone();
+    let gaps = |c: &Value| pieces(c).iter().filter(|p| p.get("gap").is_some()).count();
+    assert!(has(&|c| gaps(c) == 1) > 20, "one gap");
+    assert!(has(&|c| gaps(c) == 2) > 20, "two gaps");
+    assert!(
+        has(&|c| pieces(c)[0].get("gap").is_some()) > 20,
+        "a gap first"
+    );
+    assert!(has(&|c| pieces(c).last().unwrap().get("gap").is_some()) > 20);
+    assert!(
+        has(&|c| c["temperature"].as_f64().unwrap() > 0.0) >= 3,
+        "sampled"
+    );
+    // A gap longer than its fill: ended by an EOS, the rest dropped.
+    assert!(
+        has(&|c| c["fills"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["eos"] == true))
+            > 10
+    );
+    // A middle gap on the trained model: known text on both sides.
+    assert!(has(&|c| c["model"] == "refusion-tiny" && pieces(c).len() == 3) >= 8);
+}
+
+type Results = RefCell<HashMap<usize, DecodeResult>>;
+
+fn request<'a>(i: usize, prompt: Vec<u32>, params: DecodeParams, out: &'a Results) -> Request<'a> {
+    Request {
+        prompt,
+        params,
+        cancel: Arc::new(AtomicBool::new(false)),
+        sink: Box::new(move |u| {
+            if let Update::Finished(r) = u {
+                out.borrow_mut().insert(i, r.unwrap());
+            }
+        }),
+    }
+}
+
+/// Batch invariance: infill requests of one model beside each other and beside plain slot
+/// decoding of the same prompts, 1, 3 and 8 at a time, each gives what it gives alone.
+#[test]
+fn infill_requests_through_the_scheduler_stay_exact() {
+    let cases: Vec<Value> = goldens()
+        .into_iter()
+        .filter(|c| c["model"] == "refusion-tiny")
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let models = models(tmp.path(), &cases, false);
+    let m = &models["refusion-tiny"];
+    for parallel in [1, 3, 8] {
+        let results = Results::default();
+        let cache = m.new_cache(16384, CacheType::F32, None).unwrap();
+        let mut sched = Scheduler::new(m, cache, parallel);
+        for (i, c) in cases.iter().enumerate() {
+            let prompt = golden_ids(&c["prompt_ids"]);
+            sched.submit(request(i, prompt.clone(), params(c), &results));
+            if i % 4 == 0 {
+                let mut plain = params(c);
+                (plain.strategy, plain.template) = (Default::default(), None);
+                plain.gen_length = 32;
+                sched.submit(request(1000 + i, prompt, plain, &results));
+            }
+        }
+        while !sched.is_idle() {
+            sched.step();
+        }
+        drop(sched);
+        let results = results.into_inner();
+        let failures: Vec<String> = cases
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| differs(c, &results[&i]))
+            .collect();
+        assert!(
+            failures.is_empty(),
+            "-np {parallel}:\n{}",
+            failures.join("\n")
+        );
+        assert!(results.keys().any(|&k| k >= 1000));
+    }
+}
