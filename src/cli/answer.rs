@@ -28,13 +28,15 @@ impl<'t> Output<'t> {
     ) -> Self {
         // The canvas is drawn with escape codes: only on a terminal.
         let visual = a.visual && !a.json && std::io::stdout().is_terminal();
+        // A template's answer is printed once its gaps are filled (they fill in any order).
+        let templated = params.template.is_some();
         if a.visual && !a.json && !visual {
             eprintln!("note: --visual needs a terminal; printing the answer as text");
         }
         let gen = params.answer_len() as usize;
         Output {
             visual,
-            stream: !a.json && !visual,
+            stream: !a.json && !visual && !templated,
             streamer: TextStream::new(tok, prompt.len(), params.eos_id),
             canvas: Canvas {
                 prompt_len: prompt.len() as u32,
@@ -106,6 +108,8 @@ impl<'t> Output<'t> {
 pub(super) struct Report<'r> {
     pub(super) result: &'r crate::decode::DecodeResult,
     pub(super) text: String,
+    /// A template's fills: each gap's text, tokens, first position and whether EOS ended it.
+    pub(super) gaps: Option<serde_json::Value>,
     pub(super) prompt_tokens: usize,
     pub(super) cached: usize,
     pub(super) params: &'r DecodeParams,
@@ -126,7 +130,8 @@ impl Report<'_> {
             "positions": r.positions,
             "text": self.text,
             "answer_tokens": r.answer().len(),
-            "eos_found": r.eos_index.is_some(),
+            "eos_found": r.stopped(),
+            "gaps": self.gaps,
             "tpf": r.tpf,
             "forward_calls": r.forward_calls,
             "forward_tokens": r.forward_tokens,
@@ -178,6 +183,26 @@ impl Report<'_> {
             r.tpf
         );
     }
+}
+
+/// A template's fills for `--json` (none without a template).
+pub(super) fn gaps_json(
+    r: &crate::decode::DecodeResult,
+    tok: &Tokenizer,
+) -> crate::error::Result<Option<serde_json::Value>> {
+    let Some(f) = &r.filled else {
+        return Ok(None);
+    };
+    let mut gaps = Vec::new();
+    for g in &f.gaps {
+        gaps.push(serde_json::json!({
+            "start": g.start,
+            "text": tok.decode(&g.tokens, true)?,
+            "tokens": g.tokens,
+            "eos": g.eos,
+        }));
+    }
+    Ok(Some(serde_json::Value::Array(gaps)))
 }
 
 /// The `--visual` canvas: one cell per generated position.

@@ -43,6 +43,14 @@ pub struct GenerateArgs {
     conversation: bool,
     #[command(flatten)]
     decode: DecodeArgs,
+    /// Fill the gaps of this answer (any-order generation): known text with `{{gap}}` (at
+    /// most -n tokens) or `{{gap:N}}` markers. With the chat template it is the assistant's
+    /// answer; with --no-chat-template, the text right after the prompt. See docs/infill.md.
+    #[arg(long, value_name = "TEXT", conflicts_with_all = ["batch", "suffix"])]
+    template: Option<String>,
+    /// The text after the answer: shorthand for --template '{{gap}}TEXT'.
+    #[arg(long, value_name = "TEXT", conflicts_with = "batch")]
+    suffix: Option<String>,
     /// Print one JSON object with the tokens, text and figures instead of streaming text.
     #[arg(long)]
     pub(super) json: bool,
@@ -323,6 +331,10 @@ fn read_prompt_file(path: &std::path::Path) -> Result<String> {
 
 pub fn run(a: GenerateArgs) -> Result<()> {
     a.decode.check()?;
+    if let Some(t) = a.template_text() {
+        // The markers are checked before the model loads (the gap default comes with it).
+        crate::decode::template::parse(&t, 1)?;
+    }
     if a.conversation {
         bail!("-cnv: for a conversation, use refusion chat (generate answers one prompt)");
     }
@@ -340,7 +352,10 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     };
     let start = Instant::now();
     let loaded = load(&opts)?;
-    let params = a.decode.params(&loaded.file.header, &loaded.tokenizer)?;
+    let params = a.with_template(
+        a.decode.params(&loaded.file.header, &loaded.tokenizer)?,
+        &loaded,
+    )?;
     let prompt = a.prompt_of(&loaded, file_text.as_deref())?;
     let gen = params.answer_len() as usize;
     if prompt.len() + gen > loaded.context {
@@ -365,6 +380,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let report = Report {
         result: &result,
         text: loaded.tokenizer.decode(result.answer(), true)?,
+        gaps: super::answer::gaps_json(&result, &loaded.tokenizer)?,
         prompt_tokens: prompt.len(),
         cached: session.last_reused,
         params: &params,
@@ -379,6 +395,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             "{}",
             if out.visual {
                 format!("\n{}", report.text)
+            } else if params.template.is_some() {
+                report.text.clone()
             } else {
                 String::new()
             }
@@ -391,6 +409,32 @@ pub fn run(a: GenerateArgs) -> Result<()> {
 }
 
 impl GenerateArgs {
+    /// `--template`, or `--suffix TEXT` as `{{gap}}TEXT`.
+    fn template_text(&self) -> Option<String> {
+        match (&self.template, &self.suffix) {
+            (Some(t), _) => Some(t.clone()),
+            (None, Some(s)) => Some(format!("{{{{gap}}}}{s}")),
+            _ => None,
+        }
+    }
+
+    /// The parameters with the template's spans tokenized and its gaps (`{{gap}}`: -n).
+    fn with_template(
+        &self,
+        params: DecodeParams,
+        loaded: &crate::runtime::Loaded,
+    ) -> Result<DecodeParams> {
+        let Some(text) = self.template_text() else {
+            return Ok(params);
+        };
+        let pieces = crate::decode::template::parse(&text, params.gen_length)?;
+        let t = crate::decode::Template::from_text(&pieces, |s| loaded.tokenizer.encode(s))?;
+        let vocab = crate::model::Forward::config(&loaded.model).vocab;
+        t.validate(params.mask_id, vocab)?;
+        let params = params.with_template(t);
+        params.validate()?;
+        Ok(params)
+    }
     /// The prompt's token ids: `--prompt-ids` as they are, or the text of `-p` or `-f` (read
     /// before the model loaded), through the chat template unless told otherwise.
     fn prompt_of(

@@ -47,9 +47,12 @@ impl DecodeParams {
         }
     }
 
-    /// Decodes `template` with the infill strategy.
+    /// Decodes `template` with the infill strategy (a strategy that cannot fill gaps is left
+    /// for [`Self::validate`] to refuse).
     pub fn with_template(mut self, template: Template) -> DecodeParams {
-        self.strategy = super::Kind::Infill;
+        if self.strategy == super::Kind::Slots {
+            self.strategy = super::Kind::Infill;
+        }
         self.template = Some(Arc::new(template));
         self
     }
