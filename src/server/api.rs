@@ -194,6 +194,10 @@ impl Knobs {
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
+    /// Fill the `{{gap}}` / `{{gap:N}}` markers of the final `assistant` message (any-order
+    /// generation); without it, text is never read as markers.
+    #[serde(default)]
+    pub infill: bool,
     #[serde(flatten)]
     pub knobs: Knobs,
 }
@@ -212,6 +216,9 @@ pub enum PromptField {
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
     pub prompt: PromptField,
+    /// The text after the completion: the completion fills the gap between the prompt and it
+    /// (at most `max_tokens`), and the answer is that fill alone.
+    pub suffix: Option<String>,
     #[serde(flatten)]
     pub knobs: Knobs,
 }

@@ -13,6 +13,7 @@ use serde_json::json;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{ApiError, Knobs};
+use super::fill::FillSpec;
 use super::worker::{Job, JobInput, Msg};
 use super::AppState;
 
@@ -32,11 +33,12 @@ pub(super) fn now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Queues a job (a full queue is a 503).
+/// Queues a job (a full queue is a 503); `template`: gaps to fill in its answer.
 pub(super) fn enqueue(
     state: &AppState,
     input: JobInput,
     knobs: Knobs,
+    template: Option<FillSpec>,
 ) -> Result<(UnboundedReceiver<Msg>, CancelOnDrop), ApiError> {
     let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
@@ -46,6 +48,7 @@ pub(super) fn enqueue(
     let sent = state.jobs.try_send(Job {
         input,
         knobs,
+        template,
         cancel,
         tx,
     });
@@ -88,25 +91,51 @@ pub(super) async fn submit(
     state: &AppState,
     input: JobInput,
     knobs: Knobs,
+    template: Option<FillSpec>,
 ) -> Result<(UnboundedReceiver<Msg>, CancelOnDrop, usize), ApiError> {
-    let (mut rx, guard) = enqueue(state, input, knobs)?;
+    let (mut rx, guard) = enqueue(state, input, knobs, template)?;
     let prompt_tokens = started(&mut rx).await?;
     Ok((rx, guard, prompt_tokens))
 }
 
+/// A non-streamed answer.
+pub(super) struct Collected {
+    /// The answer's text; a template's fills, one after the other (one gap: its fill).
+    pub(super) text: String,
+    /// A template's fills, by gap.
+    pub(super) fills: Vec<String>,
+    pub(super) finish_reason: &'static str,
+    pub(super) prompt_tokens: usize,
+    pub(super) completion_tokens: usize,
+}
+
 /// Collects a non-streamed answer.
-pub(super) async fn collect(
-    mut rx: UnboundedReceiver<Msg>,
-) -> Result<(String, &'static str, usize, usize), ApiError> {
+pub(super) async fn collect(mut rx: UnboundedReceiver<Msg>) -> Result<Collected, ApiError> {
     let mut text = String::new();
+    let mut fills: Vec<String> = Vec::new();
     while let Some(msg) = rx.recv().await {
         match msg {
             Msg::Delta(d) => text.push_str(&d),
+            Msg::Fill { gap, text: t } => {
+                if fills.len() <= gap {
+                    fills.resize(gap + 1, String::new());
+                }
+                fills[gap].push_str(&t);
+                text.push_str(&t);
+            }
             Msg::Done {
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
-            } => return Ok((text, finish_reason, prompt_tokens, completion_tokens)),
+            } => {
+                return Ok(Collected {
+                    text,
+                    fills,
+                    finish_reason,
+                    prompt_tokens,
+                    completion_tokens,
+                })
+            }
             Msg::Error(e) => return Err(e),
             Msg::Started { .. } | Msg::End => {}
         }

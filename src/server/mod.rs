@@ -12,6 +12,8 @@ mod access;
 pub mod api;
 mod body;
 mod conn;
+mod fill;
+mod infill;
 mod jobs;
 mod llama;
 mod ollama;
@@ -341,6 +343,10 @@ fn router(state: AppState) -> Router {
         .route(
             "/props",
             get(llama::props).fallback(method_not_allowed("GET, HEAD")),
+        )
+        .route(
+            "/infill",
+            post(infill::infill).fallback(method_not_allowed("POST")),
         )
         // ollama's API.
         .route(

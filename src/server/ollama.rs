@@ -21,6 +21,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 use super::api::{parse, ApiError, ChatMessage, Knobs, Stop};
+use super::fill::{FillSource, FillSpec};
 use super::jobs::{collect, submit};
 use super::worker::{JobInput, Msg};
 use super::AppState;
@@ -58,6 +59,8 @@ struct GenerateRequest {
     #[serde(default)]
     raw: bool,
     stream: Option<bool>,
+    /// The text after the response: the response fills the gap between the prompt and it.
+    suffix: Option<String>,
     #[serde(default)]
     options: Options,
 }
@@ -197,9 +200,15 @@ pub async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
         messages.push(Message::new("user", &req.prompt));
         JobInput::Chat(messages)
     };
+    // An empty suffix is none, as in ollama.
+    let template = req
+        .suffix
+        .filter(|s| !s.is_empty())
+        .map(|s| FillSpec::new(FillSource::Suffix(s), "suffix"));
+    let job = Job { input, template };
     answer(
         state,
-        input,
+        job,
         &req.options,
         stream,
         |text| json!({"response": text}),
@@ -230,13 +239,23 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         }
     }
     let piece = |text: &str| json!({"message": {"role": "assistant", "content": text}});
-    answer(state, JobInput::Chat(messages), &req.options, stream, piece).await
+    let job = Job {
+        input: JobInput::Chat(messages),
+        template: None,
+    };
+    answer(state, job, &req.options, stream, piece).await
+}
+
+/// What to answer: the prompt, and gaps to fill after it.
+struct Job {
+    input: JobInput,
+    template: Option<FillSpec>,
 }
 
 /// Runs the job and answers in ollama's shapes: `piece(text)` holds the text of one object.
 async fn answer(
     state: Arc<AppState>,
-    input: JobInput,
+    job: Job,
     options: &Options,
     stream: bool,
     piece: fn(&str) -> Value,
@@ -246,7 +265,7 @@ async fn answer(
         Err(e) => return error(e),
     };
     let start = Instant::now();
-    let (rx, guard, _) = match submit(&state, input, knobs).await {
+    let (rx, guard, _) = match submit(&state, job.input, knobs, job.template).await {
         Ok(s) => s,
         Err(e) => return error(e),
     };
@@ -269,9 +288,16 @@ async fn answer(
     };
     if !stream {
         return match collect(rx).await {
-            Ok((text, reason, p, c)) => {
+            Ok(got) => {
                 drop(guard);
-                let v = finish(object(piece(&text), true), reason, p, c, start.elapsed());
+                let (p, c) = (got.prompt_tokens, got.completion_tokens);
+                let v = finish(
+                    object(piece(&got.text), true),
+                    got.finish_reason,
+                    p,
+                    c,
+                    start.elapsed(),
+                );
                 Json(v).into_response()
             }
             Err(e) => error(e),
@@ -280,7 +306,8 @@ async fn answer(
     let lines = UnboundedReceiverStream::new(rx).filter_map(move |msg| {
         let _keep = &guard;
         let v = match msg {
-            Msg::Delta(d) => object(piece(&d), false),
+            // With a suffix, the gap's fill is the response.
+            Msg::Delta(d) | Msg::Fill { text: d, .. } => object(piece(&d), false),
             Msg::Done {
                 finish_reason,
                 prompt_tokens,

@@ -14,10 +14,12 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 use super::api::{parse_with_knobs, ApiError, ChatRequest, CompletionRequest, PromptField};
+use super::fill::{stitch, FillSource, FillSpec};
 use super::jobs::{collect, enqueue, now, started, submit, usage, UsageTail};
 use super::worker::{JobInput, Msg};
 use super::AppState;
 use crate::chat::Message;
+use crate::decode::TextPiece;
 
 pub(super) async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     match chat_inner(&state, body).await {
@@ -27,10 +29,15 @@ pub(super) async fn chat_completions(State(state): State<Arc<AppState>>, body: B
 }
 
 pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let req: ChatRequest = parse_with_knobs(&body)?;
+    let mut req: ChatRequest = parse_with_knobs(&body)?;
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("messages must not be empty").param("messages"));
     }
+    let template = if req.infill {
+        Some(infill_answer(&mut req.messages)?)
+    } else {
+        None
+    };
     let mut messages = Vec::with_capacity(req.messages.len());
     for m in &req.messages {
         if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
@@ -46,17 +53,28 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
         .stream_options
         .as_ref()
         .is_some_and(|o| o.include_usage);
-    let (rx, guard, _) = submit(state, JobInput::Chat(messages), req.knobs).await?;
+    let pieces = match &template {
+        Some(t) => Some(t.pieces(1)?),
+        None => None,
+    };
+    let (rx, guard, _) = submit(state, JobInput::Chat(messages), req.knobs, template).await?;
     let id = format!("chatcmpl-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
     let created = now();
     let model = state.model.clone();
     if !stream {
-        let (text, finish_reason, p, c) = collect(rx).await?;
+        let got = collect(rx).await?;
         drop(guard);
+        let mut choice = json!({"index": 0, "message": {"role": "assistant", "content": got.text}, "finish_reason": got.finish_reason});
+        if let Some(pieces) = &pieces {
+            // The answer with its gaps filled, and each gap's fill.
+            let fills = gap_fills(pieces, &got.fills);
+            choice["message"]["content"] = json!(stitch(pieces, &fills));
+            choice["fills"] = json!(fills);
+        }
         return Ok(Json(json!({
             "id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}],
-            "usage": usage(p, c),
+            "choices": [choice],
+            "usage": usage(got.prompt_tokens, got.completion_tokens),
         }))
         .into_response());
     }
@@ -71,6 +89,9 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
         let _keep = &guard;
         match msg {
             Msg::Delta(d) => Some(SseEvent::default().data(chunk(json!({"content": d}), None))),
+            Msg::Fill { gap, text } => {
+                Some(SseEvent::default().data(chunk(json!({"content": text, "gap": gap}), None)))
+            }
             Msg::Done {
                 finish_reason,
                 prompt_tokens,
@@ -109,6 +130,9 @@ pub(super) async fn completions_inner(
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_with_knobs(&body)?;
     let inputs = prompts(req.prompt, state.queue)?;
+    let template = req
+        .suffix
+        .map(|s| FillSpec::new(FillSource::Suffix(s), "suffix"));
     let include_usage = req
         .knobs
         .stream_options
@@ -117,7 +141,7 @@ pub(super) async fn completions_inner(
     // All queued first (they decode together), then each waited for.
     let mut queued = Vec::with_capacity(inputs.len());
     for input in inputs {
-        queued.push(enqueue(state, input, req.knobs.clone())?);
+        queued.push(enqueue(state, input, req.knobs.clone(), template.clone())?);
     }
     let mut streams = Vec::with_capacity(queued.len());
     for (mut rx, guard) in queued {
@@ -175,12 +199,10 @@ type Answering = (
 async fn whole_completions(head: Head, streams: Vec<Answering>) -> Result<Response, ApiError> {
     let (mut choices, mut p, mut c) = (Vec::new(), 0, 0);
     for (index, (rx, guard)) in streams.into_iter().enumerate() {
-        let (text, finish_reason, pt, ct) = collect(rx).await?;
+        let got = collect(rx).await?;
         drop(guard);
-        choices.push(
-            json!({"index": index, "text": text, "finish_reason": finish_reason, "logprobs": null}),
-        );
-        (p, c) = (p + pt, c + ct);
+        choices.push(json!({"index": index, "text": got.text, "finish_reason": got.finish_reason, "logprobs": null}));
+        (p, c) = (p + got.prompt_tokens, c + got.completion_tokens);
     }
     Ok(Json(json!({
         "id": head.id, "object": "text_completion", "created": head.created, "model": head.model,
@@ -209,7 +231,10 @@ fn stream_completions(head: Head, streams: Vec<Answering>, include_usage: bool) 
     let events = merged.filter_map(move |(index, msg)| {
         let _keep = &guards;
         match msg {
-            Msg::Delta(d) => Some(SseEvent::default().data(chunk(index, &d, None).to_string())),
+            // With a suffix, the one gap's fill is the completion.
+            Msg::Delta(d) | Msg::Fill { text: d, .. } => {
+                Some(SseEvent::default().data(chunk(index, &d, None).to_string()))
+            }
             Msg::Done {
                 finish_reason,
                 prompt_tokens,
@@ -233,6 +258,40 @@ fn stream_completions(head: Head, streams: Vec<Answering>, include_usage: bool) 
     Sse::new(events.map(Ok::<_, std::convert::Infallible>))
         .keep_alive(KeepAlive::default())
         .into_response()
+}
+
+/// A chat request's final `assistant` message as the template to fill (taken off the
+/// messages: the answer continues the conversation before it).
+fn infill_answer(messages: &mut Vec<super::api::ChatMessage>) -> Result<FillSpec, ApiError> {
+    let last = messages
+        .last()
+        .filter(|m| m.role == "assistant")
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                "infill: the last message must be the assistant's answer with {{gap}} markers",
+            )
+            .param("messages")
+        })?;
+    let text = last.content.text()?;
+    messages.pop();
+    if messages.is_empty() {
+        return Err(ApiError::bad_request(
+            "infill: the answer needs a conversation before it (at least one message)",
+        )
+        .param("messages"));
+    }
+    Ok(FillSpec::new(FillSource::Markers(text), "messages"))
+}
+
+/// Each gap's fill, `""` for a gap that got none.
+fn gap_fills(pieces: &[TextPiece], got: &[String]) -> Vec<String> {
+    let gaps = pieces
+        .iter()
+        .filter(|p| matches!(p, TextPiece::Gap(_)))
+        .count();
+    (0..gaps)
+        .map(|i| got.get(i).cloned().unwrap_or_default())
+        .collect()
 }
 
 pub(super) async fn models(State(state): State<Arc<AppState>>) -> Response {

@@ -9,6 +9,7 @@ use axum::http::StatusCode;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{ApiError, Knobs};
+use super::fill::{FillSpec, Fills};
 use crate::chat::{ChatTemplate, Message, TextStream};
 use crate::decode::{DecodeParams, Event};
 use crate::error::{Error, RequestError};
@@ -24,6 +25,8 @@ pub enum JobInput {
 pub struct Job {
     pub input: JobInput,
     pub knobs: Knobs,
+    /// Gaps to fill in the answer (any-order generation), if any.
+    pub template: Option<FillSpec>,
     /// Set when the client goes away (or a stop string is reached): generation stops.
     pub cancel: Arc<AtomicBool>,
     pub tx: UnboundedSender<Msg>,
@@ -35,6 +38,11 @@ pub enum Msg {
         prompt_tokens: usize,
     },
     Delta(String),
+    /// Text a template's gap gained (its index in the template's gaps).
+    Fill {
+        gap: usize,
+        text: String,
+    },
     Done {
         finish_reason: &'static str,
         prompt_tokens: usize,
@@ -106,15 +114,24 @@ pub struct Limits {
 }
 
 /// Releases text only when it cannot be the start of a stop string, and cuts at the first stop.
-struct StopFilter {
+pub(super) struct StopFilter {
     stops: Vec<String>,
     text: String,
     emitted: usize,
-    hit: bool,
+    pub(super) hit: bool,
 }
 
 impl StopFilter {
-    fn push(&mut self, delta: &str) -> String {
+    pub(super) fn new(stops: Vec<String>) -> StopFilter {
+        StopFilter {
+            stops,
+            text: String::new(),
+            emitted: 0,
+            hit: false,
+        }
+    }
+
+    pub(super) fn push(&mut self, delta: &str) -> String {
         if self.hit {
             return String::new();
         }
@@ -150,7 +167,7 @@ impl StopFilter {
         out
     }
 
-    fn finish(&mut self) -> String {
+    pub(super) fn finish(&mut self) -> String {
         if self.hit || self.emitted >= self.text.len() {
             return String::new();
         }
@@ -299,10 +316,14 @@ impl<'a> Ctx<'a> {
     /// with the job; the scheduler checks the rest), its answer streamed to the client through
     /// the sink.
     fn request(&self, job: Job) -> Result<Request<'a>, Box<(Job, ApiError)>> {
-        let params = match job
+        let params = job
             .knobs
             .params(&self.limits.base, self.limits.max_gen_length)
-        {
+            .and_then(|p| match &job.template {
+                Some(spec) => spec.apply(p, &self.loaded.tokenizer, self.vocab()),
+                None => Ok(p),
+            });
+        let params = match params {
             Ok(p) => p,
             Err(e) => return Err(Box::new((job, e))),
         };
@@ -315,14 +336,14 @@ impl<'a> Ctx<'a> {
         let Job {
             knobs, cancel, tx, ..
         } = job;
+        let stops = knobs.stop.as_ref().map(|s| s.list()).unwrap_or_default();
         let mut answer = Answer {
             stream: TextStream::new(tokenizer, prompt.len(), params.eos_id),
-            filter: StopFilter {
-                stops: knobs.stop.as_ref().map(|s| s.list()).unwrap_or_default(),
-                text: String::new(),
-                emitted: 0,
-                hit: false,
-            },
+            fills: params
+                .template
+                .is_some()
+                .then(|| Fills::new(tokenizer, &params, prompt.len(), &stops)),
+            filter: StopFilter::new(stops),
             prompt_tokens: prompt.len(),
             reused: 0,
         };
@@ -335,10 +356,10 @@ impl<'a> Ctx<'a> {
                 });
             }
             Update::Event(Event::Committed { positions, tokens }) => {
-                if let Some(out) = answer.push(positions, tokens) {
-                    let _ = tx.send(Msg::Delta(out));
+                for m in answer.push(positions, tokens) {
+                    let _ = tx.send(m);
                 }
-                if answer.filter.hit {
+                if answer.stopped() {
                     flag.store(true, Ordering::SeqCst);
                 }
             }
@@ -365,6 +386,10 @@ impl<'a> Ctx<'a> {
             cancel,
             sink,
         })
+    }
+
+    fn vocab(&self) -> usize {
+        crate::model::Forward::config(&self.loaded.model).vocab
     }
 
     fn prompt(&self, input: &JobInput) -> Result<Vec<u32>, ApiError> {
@@ -422,19 +447,43 @@ fn api_error(e: Error) -> ApiError {
     }
 }
 
-/// One answer on its way to the client: the committed text, cut at a stop string.
+/// One answer on its way to the client: the committed text, cut at a stop string (a
+/// template's: each gap's).
 struct Answer<'t> {
     stream: TextStream<'t>,
+    fills: Option<Fills<'t>>,
     filter: StopFilter,
     prompt_tokens: usize,
     reused: usize,
 }
 
 impl Answer<'_> {
-    fn push(&mut self, positions: &[u32], tokens: &[u32]) -> Option<String> {
-        let text = self.stream.push(positions, tokens)?;
+    fn push(&mut self, positions: &[u32], tokens: &[u32]) -> Vec<Msg> {
+        if let Some(f) = &mut self.fills {
+            return f.push(positions, tokens);
+        }
+        let Some(text) = self.stream.push(positions, tokens) else {
+            return Vec::new();
+        };
         let out = self.filter.push(&text);
-        (!out.is_empty()).then_some(out)
+        if out.is_empty() {
+            Vec::new()
+        } else {
+            vec![Msg::Delta(out)]
+        }
+    }
+
+    /// Whether stop strings have ended the answer (a template's: every gap).
+    fn stopped(&self) -> bool {
+        match &self.fills {
+            Some(f) => f.all_stopped(),
+            None => self.filter.hit,
+        }
+    }
+
+    /// Whether a stop string cut the answer somewhere (finish reason "stop").
+    fn cut(&self) -> bool {
+        self.filter.hit || self.fills.as_ref().is_some_and(|f| f.any_stopped())
     }
 
     /// The last messages: the held-back text and `Done`, nothing (the client went away), or
@@ -449,13 +498,15 @@ impl Answer<'_> {
         let mut msgs_before = Vec::new();
         match result {
             Ok(r) => {
-                if let Some(tail) = self.stream.finish() {
+                if let Some(f) = &mut self.fills {
+                    msgs_before.extend(f.finish());
+                } else if let Some(tail) = self.stream.finish() {
                     let out = self.filter.push(&tail);
                     if !out.is_empty() {
                         msgs_before.push(Msg::Delta(out));
                     }
                 }
-                let finish_reason = if self.filter.hit || r.eos_index.is_some() {
+                let finish_reason = if self.cut() || r.stopped() {
                     "stop"
                 } else {
                     "length"
@@ -474,7 +525,16 @@ impl Answer<'_> {
                 msgs.push(Msg::Done {
                     finish_reason,
                     prompt_tokens,
-                    completion_tokens: r.answer().len(),
+                    completion_tokens: completion_tokens(&r),
+                });
+                Ok(msgs)
+            }
+            Err(Error::Cancelled) if self.stopped() && self.fills.is_some() => {
+                let mut msgs = self.fills.as_mut().map(|f| f.finish()).unwrap_or_default();
+                msgs.push(Msg::Done {
+                    finish_reason: "stop",
+                    prompt_tokens,
+                    completion_tokens: 0,
                 });
                 Ok(msgs)
             }
@@ -499,6 +559,15 @@ impl Answer<'_> {
             }
             Err(e) => Err(api_error(e)),
         }
+    }
+}
+
+/// Tokens the model wrote: the answer, or a template's fills (its known spans are the
+/// caller's).
+fn completion_tokens(r: &crate::decode::DecodeResult) -> usize {
+    match &r.filled {
+        Some(f) => f.gaps.iter().map(|g| g.tokens.len()).sum(),
+        None => r.answer().len(),
     }
 }
 

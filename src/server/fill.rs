@@ -1,0 +1,195 @@
+//! Gap filling on the server (any-order generation, docs/infill.md): what a request's
+//! template is made of ([`FillSpec`]: a `suffix` after one gap, or `{{gap}}` markers in a chat
+//! answer), how the worker turns it into the decoder's [`Template`], and each gap's text as it
+//! grows ([`Fills`]), sent as [`Msg::Fill`] with the gap's index.
+
+use super::api::ApiError;
+use super::worker::{Msg, StopFilter};
+use crate::chat::{TextStream, Tokenizer};
+use crate::decode::template::{parse, TextPiece};
+use crate::decode::{DecodeParams, Template};
+
+/// Where a request's template comes from.
+#[derive(Debug, Clone)]
+pub enum FillSource {
+    /// One gap (the request's max tokens) and this text after it: OpenAI's and ollama's
+    /// `suffix`, llama-server's `input_suffix`. The text is taken as it is (no markers).
+    Suffix(String),
+    /// Text with `{{gap}}` / `{{gap:N}}` markers (a chat request's final assistant message,
+    /// with `"infill": true`).
+    Markers(String),
+}
+
+/// A request's template and the field that holds it (named in its errors).
+#[derive(Debug, Clone)]
+pub struct FillSpec {
+    pub source: FillSource,
+    pub field: &'static str,
+}
+
+impl FillSpec {
+    pub fn new(source: FillSource, field: &'static str) -> FillSpec {
+        FillSpec { source, field }
+    }
+
+    /// The template's text pieces, `{{gap}}` (and a suffix's gap) of `default_gap` tokens.
+    pub fn pieces(&self, default_gap: u32) -> Result<Vec<TextPiece>, ApiError> {
+        match &self.source {
+            FillSource::Suffix(s) => Ok(vec![
+                TextPiece::Gap(default_gap),
+                TextPiece::Text(s.clone()),
+            ]),
+            FillSource::Markers(s) => parse(s, default_gap).map_err(|e| self.error(e)),
+        }
+    }
+
+    /// `params` decoding this template: spans tokenized, checked against the vocabulary and
+    /// the mask token; a mistake is a 400 naming the field.
+    pub fn apply(
+        &self,
+        params: DecodeParams,
+        tok: &Tokenizer,
+        vocab: usize,
+    ) -> Result<DecodeParams, ApiError> {
+        let pieces = self.pieces(params.gen_length)?;
+        let t = Template::from_text(&pieces, |s| tok.encode(s))
+            .map_err(|e| ApiError::bad_request(e.to_string()).param(self.field))?;
+        t.validate(params.mask_id, vocab)
+            .map_err(|e| self.error(e))?;
+        let params = params.with_template(t);
+        params.validate().map_err(|e| self.error(e))?;
+        Ok(params)
+    }
+
+    fn error(&self, e: impl std::fmt::Display) -> ApiError {
+        ApiError::bad_request(e.to_string()).param(self.field)
+    }
+}
+
+/// The stitched text of a template: its text pieces with each gap's fill in place.
+pub fn stitch(pieces: &[TextPiece], fills: &[String]) -> String {
+    let mut out = String::new();
+    let mut gap = 0;
+    for p in pieces {
+        match p {
+            TextPiece::Text(t) => out.push_str(t),
+            TextPiece::Gap(_) => {
+                out.push_str(fills.get(gap).map_or("", String::as_str));
+                gap += 1;
+            }
+        }
+    }
+    out
+}
+
+/// Each gap's committed text as it grows (up to its EOS), cut at a stop string.
+pub struct Fills<'t> {
+    gaps: Vec<Gap<'t>>,
+}
+
+struct Gap<'t> {
+    start: u32,
+    end: u32,
+    stream: TextStream<'t>,
+    filter: StopFilter,
+}
+
+impl<'t> Fills<'t> {
+    pub fn new(
+        tok: &'t Tokenizer,
+        params: &DecodeParams,
+        prompt_len: usize,
+        stops: &[String],
+    ) -> Fills<'t> {
+        let k = params.slot_size;
+        let t = params.answer_template();
+        let gaps = t
+            .gaps(prompt_len as u32, k)
+            .into_iter()
+            .map(|(start, slots)| Gap {
+                start,
+                end: start + slots * k,
+                stream: TextStream::new(tok, start as usize, params.eos_id),
+                filter: StopFilter::new(stops.to_vec()),
+            })
+            .collect();
+        Fills { gaps }
+    }
+
+    /// Whether a stop string cut every gap (the decode may stop).
+    pub fn all_stopped(&self) -> bool {
+        self.gaps.iter().all(|g| g.filter.hit)
+    }
+
+    /// Whether a stop string cut some gap.
+    pub fn any_stopped(&self) -> bool {
+        self.gaps.iter().any(|g| g.filter.hit)
+    }
+
+    /// Committed tokens: the text each gap gained.
+    pub fn push(&mut self, positions: &[u32], tokens: &[u32]) -> Vec<Msg> {
+        let mut out = Vec::new();
+        for (i, g) in self.gaps.iter_mut().enumerate() {
+            let (pos, toks): (Vec<u32>, Vec<u32>) = positions
+                .iter()
+                .zip(tokens)
+                .filter(|(&p, _)| (g.start..g.end).contains(&p))
+                .map(|(&p, &t)| (p, t))
+                .unzip();
+            if pos.is_empty() {
+                continue;
+            }
+            if let Some(text) = g.stream.push(&pos, &toks) {
+                let text = g.filter.push(&text);
+                if !text.is_empty() {
+                    out.push(Msg::Fill { gap: i, text });
+                }
+            }
+        }
+        out
+    }
+
+    /// The held-back tails.
+    pub fn finish(&mut self) -> Vec<Msg> {
+        let mut out = Vec::new();
+        for (i, g) in self.gaps.iter_mut().enumerate() {
+            let mut text = g
+                .stream
+                .finish()
+                .map(|t| g.filter.push(&t))
+                .unwrap_or_default();
+            text.push_str(&g.filter.finish());
+            if !text.is_empty() {
+                out.push(Msg::Fill { gap: i, text });
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_suffix_is_text_not_markers() {
+        let s = FillSpec::new(FillSource::Suffix("a {{gap}} b".into()), "suffix");
+        assert_eq!(
+            s.pieces(9).unwrap(),
+            vec![TextPiece::Gap(9), TextPiece::Text("a {{gap}} b".into())]
+        );
+        let m = FillSpec::new(
+            FillSource::Markers("x {{gap:3}} y {{gap".into()),
+            "messages",
+        );
+        let e = m.pieces(9).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+    }
+
+    #[test]
+    fn stitching_puts_fills_in_their_gaps() {
+        let p = parse("A{{gap}}C{{gap:2}}", 4).unwrap();
+        assert_eq!(stitch(&p, &["b".into(), "d".into()]), "AbCd");
+        assert_eq!(stitch(&p, &["b".into()]), "AbC");
+    }
+}
