@@ -107,6 +107,29 @@ fn payloads() -> Vec<(String, Vec<u8>)> {
         "duplicate keys",
         r#"{"prompt":"hi","prompt":5,"max_tokens":8}"#.into(),
     );
+    add("markers in a suffix", r#"{"prompt":"hi","suffix":"{{gap:0}}{{gap","input_prefix":"hi","input_suffix":"{{gap:0}}{{gap","max_tokens":8,"n_predict":8}"#.into());
+    add(
+        "a suffix of the wrong type",
+        r#"{"prompt":"hi","suffix":5,"input_prefix":"x","input_suffix":[1],"max_tokens":8}"#.into(),
+    );
+    add("the mask in a suffix", r#"{"prompt":"hi","suffix":"<|mask|>","input_prefix":"hi","input_suffix":"<|mask|>","max_tokens":8}"#.into());
+    add("a huge gap", r#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"{{gap:1048576}}{{gap:4294967296}}"}],"infill":true}"#.into());
+    add(
+        "infill with no answer",
+        r#"{"messages":[{"role":"user","content":"hi"}],"infill":true,"max_tokens":8}"#.into(),
+    );
+    add(
+        "infill of the wrong type",
+        r#"{"messages":[{"role":"user","content":"hi"}],"infill":"yes"}"#.into(),
+    );
+    add(
+        "odd input_extra",
+        r#"{"input_prefix":"x","input_extra":[{"filename":5,"text":null}],"n_predict":8}"#.into(),
+    );
+    add(
+        "n_predict -7",
+        r#"{"input_prefix":"x","n_predict":-7}"#.into(),
+    );
     add(
         "a long prompt",
         format!(
@@ -131,6 +154,7 @@ fn every_endpoint_answers_every_hostile_body_with_a_clean_status() {
         "/api/generate",
         "/api/chat",
         "/api/show",
+        "/infill",
     ];
     let (mut tried, mut ok, mut refused) = (0, 0, 0);
     let mut bad = Vec::new();

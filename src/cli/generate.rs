@@ -193,6 +193,17 @@ impl DecodeArgs {
 
     /// The parameters: these flags over the file's defaults over the model card's.
     pub fn params(&self, header: &GgufHeader, tok: &Tokenizer) -> Result<DecodeParams> {
+        self.params_for(header, tok, false)
+    }
+
+    /// [`Self::params`], checked for the infill strategy when `infill` (a template to fill)
+    /// and no other strategy is named.
+    pub fn params_for(
+        &self,
+        header: &GgufHeader,
+        tok: &Tokenizer,
+        infill: bool,
+    ) -> Result<DecodeParams> {
         let d = DecodingDefaults::from_metadata(header).map_err(anyhow::Error::msg)?;
         let eos = tok
             .eos_id
@@ -218,7 +229,11 @@ impl DecodeArgs {
         p.token_threshold = self.token_threshold.unwrap_or(d.token_threshold);
         p.temperature = self.temperature;
         p.seed = self.seed();
-        p.strategy = self.strategy.unwrap_or_default();
+        p.strategy = match self.strategy {
+            Some(k) => k,
+            None if infill => crate::decode::Kind::Infill,
+            None => crate::decode::Kind::Slots,
+        };
         p.validate().map_err(|e| {
             // Name the file's keys behind the values the flags left alone.
             let from_file: Vec<String> = [
@@ -236,7 +251,7 @@ impl DecodeArgs {
                 anyhow::anyhow!("{e}; from the file's {}", from_file.join(", "))
             }
         })?;
-        if p.dropped_tail() > 0 {
+        if p.strategy == crate::decode::Kind::Slots && p.dropped_tail() > 0 {
             eprintln!(
                 "note: the last {} positions do not fill a serial block and are not generated (as in the reference)",
                 p.dropped_tail()
@@ -352,10 +367,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     };
     let start = Instant::now();
     let loaded = load(&opts)?;
-    let params = a.with_template(
-        a.decode.params(&loaded.file.header, &loaded.tokenizer)?,
-        &loaded,
-    )?;
+    let infill = a.template_text().is_some();
+    let params = a
+        .decode
+        .params_for(&loaded.file.header, &loaded.tokenizer, infill)?;
+    let params = a.with_template(params, &loaded)?;
     let prompt = a.prompt_of(&loaded, file_text.as_deref())?;
     let gen = params.answer_len() as usize;
     if prompt.len() + gen > loaded.context {

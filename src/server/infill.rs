@@ -51,6 +51,12 @@ struct InfillRequest {
     temperature: Option<f64>,
     seed: Option<u64>,
     stop: Option<Stop>,
+    // ReFusion's own knobs, as on the OpenAI endpoints.
+    slot_size: Option<u32>,
+    serial_blocks: Option<u32>,
+    slot_threshold: Option<f32>,
+    token_threshold: Option<f32>,
+    strategy: Option<String>,
 }
 
 impl InfillRequest {
@@ -89,6 +95,11 @@ impl InfillRequest {
             seed: self.seed,
             stop: self.stop.clone(),
             stream: self.stream,
+            slot_size: self.slot_size,
+            serial_blocks: self.serial_blocks,
+            slot_threshold: self.slot_threshold,
+            token_threshold: self.token_threshold,
+            strategy: self.strategy.clone(),
             ..Knobs::default()
         })
     }

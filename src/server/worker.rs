@@ -316,9 +316,15 @@ impl<'a> Ctx<'a> {
     /// with the job; the scheduler checks the rest), its answer streamed to the client through
     /// the sink.
     fn request(&self, job: Job) -> Result<Request<'a>, Box<(Job, ApiError)>> {
+        // A template is decoded by the infill strategy (unless the request names another):
+        // its parameters are checked as that strategy's.
+        let mut base = self.limits.base.clone();
+        if job.template.is_some() {
+            base.strategy = crate::decode::Kind::Infill;
+        }
         let params = job
             .knobs
-            .params(&self.limits.base, self.limits.max_gen_length)
+            .params(&base, self.limits.max_gen_length)
             .and_then(|p| match &job.template {
                 Some(spec) => spec.apply(p, &self.loaded.tokenizer, self.vocab()),
                 None => Ok(p),

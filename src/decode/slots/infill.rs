@@ -98,13 +98,13 @@ impl SlotDecoder {
         let (a, k, eos) = (inf.a, self.k, self.p.eos_id);
         let mut eos_rows: Vec<usize> = Vec::new();
         let mut keep = vec![true; inf.spec.len()];
-        for r in 0..inf.spec.len() {
+        for (r, kept) in keep.iter_mut().enumerate() {
             let start = inf.row_slot_starts[r];
             if eos_rows
                 .iter()
                 .any(|&e| self.layout.same_run(inf.row_slot_starts[e], start))
             {
-                keep[r] = false;
+                *kept = false;
             } else if (a..k).any(|j| inf.tags[r][j] && inf.spec[r][j] == eos) {
                 eos_rows.push(r);
                 inf.tags[r].iter_mut().for_each(|t| *t = true);
