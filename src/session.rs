@@ -48,6 +48,11 @@ impl<'m, M: Forward + ?Sized> Session<'m, M> {
         self.tokenizer
     }
 
+    /// The model it decodes with.
+    pub fn model(&self) -> &'m M {
+        self.model
+    }
+
     /// Starts over: no messages, an empty cache.
     pub fn reset(&mut self) {
         self.messages.clear();

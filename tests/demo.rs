@@ -31,6 +31,38 @@ fn demo_runs_end_to_end_and_answers() {
     assert!(out.contains("The answer is 85."), "{out}");
 }
 
+/// `--infill`: the tiny model writes the hidden "Ones" line between the known lines of the
+/// worked sum, on both quantized files.
+#[test]
+fn demo_infill_fills_the_ones_line_of_a_worked_sum() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    let o = demo(&dir, &["--infill"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("column by column.\nOnes: 7 + 8 = 15, write 5, carry 1.\nTens: 4 + 3 + 1 = 8"),
+        "{out}"
+    );
+    for (q, line) in [
+        ("What is 23 + 16?", "Ones: 3 + 6 = 9, write 9."),
+        ("What is 58 + 27?", "Ones: 8 + 7 = 15, write 5, carry 1."),
+    ] {
+        let o = demo(&dir, &["--infill", "-p", q, "--quant", "q8_0", "--json"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+        let fill = v["gaps"][0]["text"].as_str().unwrap();
+        assert!(fill.starts_with(line), "{q}: {fill:?}");
+    }
+    let o = demo(&dir, &["--infill", "-p", "Tell me a story"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("two two-digit numbers"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 /// `--json` is `generate`'s object; the trained model commits more than one token per forward
 /// (TPF at the model card's settings; random weights give 0.5).
 #[test]

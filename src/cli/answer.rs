@@ -119,8 +119,16 @@ pub(super) struct Report<'r> {
 }
 
 impl Report<'_> {
+    /// Tokens the model wrote: all of them, or a template's fills (its spans are given).
+    fn generated(&self) -> usize {
+        match &self.result.filled {
+            Some(f) => f.gaps.iter().map(|g| g.tokens.len()).sum(),
+            None => self.result.tokens.len(),
+        }
+    }
+
     fn tokens_per_s(&self) -> f64 {
-        self.result.tokens.len() as f64 / self.decode_s.max(1e-9)
+        self.generated() as f64 / self.decode_s.max(1e-9)
     }
 
     pub(super) fn json(&self) -> serde_json::Value {
@@ -168,10 +176,15 @@ impl Report<'_> {
         );
         eprintln!(
             "refusion: generated     = {:>10} tokens ({}) in {:.2} ms, {:.2} tokens/s",
-            r.tokens.len(),
-            match r.eos_index {
-                Some(i) => format!("answer: {i} before EOS"),
-                None => "no EOS".to_string(),
+            self.generated(),
+            match (&r.filled, r.eos_index) {
+                (Some(f), _) => format!(
+                    "in {} gaps, {} ended by EOS",
+                    f.gaps.len(),
+                    f.gaps.iter().filter(|g| g.eos).count()
+                ),
+                (None, Some(i)) => format!("answer: {i} before EOS"),
+                (None, None) => "no EOS".to_string(),
             },
             self.decode_s * 1e3,
             self.tokens_per_s()

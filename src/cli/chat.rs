@@ -14,7 +14,7 @@ use super::generate::DecodeArgs;
 use super::line_input::{Input, Line};
 use super::model_args::ModelArgs;
 use crate::chat::{ChatTemplate, Message, TextStream};
-use crate::decode::Event;
+use crate::decode::{Event, TextPiece};
 use crate::runtime::load;
 use crate::session::Session;
 
@@ -32,8 +32,10 @@ pub struct ChatArgs {
     system: Option<String>,
 }
 
-const HELP: &str = "commands: /reset  /save FILE  /load FILE  /bye (or /exit)  /? (or /help)  \
-(Ctrl-C stops an answer, Ctrl-D quits; arrows and Ctrl-R recall earlier lines)";
+const HELP: &str = "commands: /reset  /save FILE  /load FILE  /template TEXT  /bye (or /exit)  \
+/? (or /help)  (Ctrl-C stops an answer, Ctrl-D quits; arrows and Ctrl-R recall earlier lines)\n\
+/template TEXT: the next answer fills TEXT's {{gap}} / {{gap:N}} markers (\\n is a newline); \
+/template alone forgets it";
 
 /// Saves the conversation: the KV cache, its tokens and the messages.
 fn save<M: crate::model::Forward + ?Sized>(
@@ -93,6 +95,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         context: loaded.context,
         system: a.system.clone(),
         model_hash: loaded.file.layout_hash(),
+        template: None,
     };
     chat.reset();
     let _ = ctrlc::set_handler(|| {
@@ -133,6 +136,8 @@ struct Chat<'m> {
     context: usize,
     system: Option<String>,
     model_hash: u64,
+    /// `/template`: the next answer fills its gaps.
+    template: Option<String>,
 }
 
 /// What a line of input asks for.
@@ -185,6 +190,24 @@ impl Chat<'_> {
                 ),
                 Err(e) => eprintln!("error: {e:#} (the conversation goes on as it was)"),
             },
+            "/template" if arg.is_empty() => {
+                self.template = None;
+                eprintln!("(answers are generated freely again)");
+            }
+            "/template" => {
+                let text = arg.replace("\\n", "\n");
+                match crate::decode::template::parse(&text, self.params.gen_length) {
+                    Ok(pieces) => {
+                        let gaps = pieces
+                            .iter()
+                            .filter(|p| matches!(p, TextPiece::Gap(_)))
+                            .count();
+                        eprintln!("(the next answer fills this template's {gaps} gap(s))");
+                        self.template = Some(text);
+                    }
+                    Err(e) => eprintln!("error: {e}"),
+                }
+            }
             // ollama's habit: any other /word is a mistyped command, not a message.
             c if c.starts_with('/') && c.len() > 1 => {
                 eprintln!("unknown command {c} (/? for help)")
@@ -192,6 +215,19 @@ impl Chat<'_> {
             _ => return Flow::Message,
         }
         Flow::Next
+    }
+
+    /// The parameters for an answer that fills `template`'s gaps.
+    fn templated(&self, template: &str) -> crate::error::Result<crate::decode::DecodeParams> {
+        let pieces = crate::decode::template::parse(template, self.params.gen_length)?;
+        let tok = self.session.tokenizer();
+        let t = crate::decode::Template::from_text(&pieces, |s| tok.encode(s))?;
+        let base = self.params.clone();
+        let vocab = crate::model::Forward::config(self.session.model()).vocab;
+        t.validate(base.mask_id, vocab)?;
+        let p = base.with_template(t);
+        p.validate()?;
+        Ok(p)
     }
 
     /// Answers one message, streaming the answer; a mistake is said and the chat goes on.
@@ -206,7 +242,17 @@ impl Chat<'_> {
                 return Ok(());
             }
         };
-        let gen = self.params.answer_len() as usize;
+        let params = match self.template.take() {
+            Some(t) => match self.templated(&t) {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return Ok(());
+                }
+            },
+            None => self.params.clone(),
+        };
+        let gen = params.answer_len() as usize;
         if prompt.len() + gen > self.context {
             eprintln!(
                 "error: the conversation ({} tokens) plus an answer ({gen}) exceeds the context of {}; /reset or raise -c",
@@ -216,25 +262,31 @@ impl Chat<'_> {
             return Ok(());
         }
         let tok = self.session.tokenizer();
-        let mut stream = TextStream::new(tok, prompt.len(), self.params.eos_id);
+        let mut stream = TextStream::new(tok, prompt.len(), params.eos_id);
+        // A template's gaps fill in any order: its answer is printed once filled.
+        let streaming = params.template.is_none();
         let mut stdout = std::io::stdout();
         CANCEL.store(false, Ordering::SeqCst);
         GENERATING.store(true, Ordering::SeqCst);
-        let result = self
-            .session
-            .generate(&prompt, &self.params, &CANCEL, &mut |ev| {
-                if let Event::Committed { positions, tokens } = ev {
-                    if let Some(text) = stream.push(positions, tokens) {
-                        let _ = stdout.write_all(text.as_bytes());
-                        let _ = stdout.flush();
-                    }
+        let result = self.session.generate(&prompt, &params, &CANCEL, &mut |ev| {
+            if let (true, Event::Committed { positions, tokens }) = (streaming, ev) {
+                if let Some(text) = stream.push(positions, tokens) {
+                    let _ = stdout.write_all(text.as_bytes());
+                    let _ = stdout.flush();
                 }
-            });
-        GENERATING.store(false, Ordering::SeqCst);
-        if result.is_ok() {
-            if let Some(tail) = stream.finish() {
-                let _ = stdout.write_all(tail.as_bytes());
             }
+        });
+        GENERATING.store(false, Ordering::SeqCst);
+        match &result {
+            Ok(_) if streaming => {
+                if let Some(tail) = stream.finish() {
+                    let _ = stdout.write_all(tail.as_bytes());
+                }
+            }
+            Ok(r) => {
+                let _ = stdout.write_all(tok.decode(r.answer(), true)?.as_bytes());
+            }
+            Err(_) => {}
         }
         println!();
         match result {

@@ -60,9 +60,42 @@ pub struct DemoArgs {
     /// Print `refusion generate`'s JSON object instead of the streamed answer.
     #[arg(long)]
     json: bool,
+    /// Any-order generation: hide the "Ones" line of the question's worked sum and let the
+    /// model fill that gap between the known lines (the question must add two two-digit
+    /// numbers, as the default does).
+    #[arg(long)]
+    infill: bool,
     /// Threads.
     #[arg(short = 't', long)]
     threads: Option<usize>,
+}
+
+/// The worked answer to "What is A + B?" (two-digit numbers) as the tiny model learned to
+/// write it (train/corpus.py), with its "Ones" line a gap: `--infill`'s template.
+fn worked_sum_template(question: &str) -> Option<String> {
+    let digits: Vec<u32> = question
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    let [a, b] = digits[..] else {
+        return None;
+    };
+    if !((10..100).contains(&a) && (10..100).contains(&b) && question.contains('+')) {
+        return None;
+    }
+    let ones = a % 10 + b % 10;
+    let tens = a / 10 + b / 10 + ones / 10;
+    let carry = if ones >= 10 { " + 1" } else { "" };
+    // The hidden line's length in the tiny model's tokens (with its newline).
+    let gap = if ones >= 10 { 20 } else { 15 };
+    Some(format!(
+        "We add {a} and {b} column by column.\n{{{{gap:{gap}}}}}Tens: {} + {}{carry} = {tens}, write {tens}.\nSo {a} + {b} = {}.\nThe answer is {}.",
+        a / 10,
+        b / 10,
+        a + b,
+        a + b
+    ))
 }
 
 fn write_checkpoint(dir: &Path) -> Result<()> {
@@ -98,6 +131,14 @@ fn convert(ckpt: &Path, out: &Path, outtype: FileType, name: &str) -> Result<()>
 
 pub fn run(a: DemoArgs) -> Result<()> {
     super::set_threads(a.threads)?;
+    let template = match (a.infill, worked_sum_template(&a.prompt)) {
+        (false, _) => None,
+        (true, Some(t)) => Some(t),
+        (true, None) => anyhow::bail!(
+            "--infill fills a line of a worked sum: give a question like -p \"What is 47 + 38?\" (two two-digit numbers), got {:?}",
+            a.prompt
+        ),
+    };
     let ckpt = a.dir.join("refusion-tiny");
     eprintln!(
         "1/3 writing the embedded tiny ReFusion (trained by train/train.py) to {}",
@@ -128,6 +169,10 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let mut argv = vec!["generate", "-m", &m, "-p", &a.prompt];
     if a.json {
         argv.push("--json");
+    }
+    if let Some(t) = &template {
+        eprintln!("    --template {t:?} (the gap: the ones line)");
+        argv.extend(["--template", t]);
     }
     let t;
     if let Some(n) = a.threads {
