@@ -67,10 +67,8 @@ fn template(case: &Value) -> Template {
 }
 
 fn params(case: &Value) -> DecodeParams {
-    // The gen length plays no part in a template (gaps carry their own).
-    let mut c = case.clone();
-    c["gen_length"] = 1.into();
-    let mut p = golden_params(&c);
+    // The gen length sets `{{gap}}`'s size and the serial blocks' length.
+    let mut p = golden_params(case);
     p.seed = case["seed"].as_u64().unwrap();
     p.with_template(template(case))
 }

@@ -36,6 +36,8 @@ fn cases() -> Vec<Value> {
 
 fn knob_flags(c: &Value) -> Vec<String> {
     vec![
+        "-n".into(),
+        c["gen_length"].to_string(),
         "--slot-size".into(),
         c["slot_size"].to_string(),
         "--serial-blocks".into(),
@@ -244,6 +246,7 @@ fn retokenizes(server: &Server, text: &str, ids: &Value) -> bool {
 
 fn knobs(c: &Value) -> Value {
     json!({
+        "max_tokens": c["gen_length"],
         "slot_size": c["slot_size"], "serial_blocks": c["serial_num_blocks"],
         "slot_threshold": c["slot_threshold"], "token_threshold": c["token_threshold"],
     })
@@ -270,8 +273,8 @@ fn every_api_fills_the_gaps_as_the_reference() {
     assert!(suffixed.len() >= 8);
     for c in suffixed {
         let t = c["template_text"].as_str().unwrap();
-        let (gap, suffix) = t.split_once("}}").unwrap();
-        let n: u32 = gap.trim_start_matches("{{gap:").parse().unwrap();
+        let suffix = t.strip_prefix("{{gap}}").unwrap();
+        let n = c["gen_length"].as_u64().unwrap();
         let fill = detok(&server, &c["fills"][0]["tokens"]);
         let prompt_text = detok(&server, &c["prompt_ids"]);
         let k = knobs(c);
@@ -339,21 +342,21 @@ fn every_api_fills_the_gaps_as_the_reference() {
         assert_eq!(text, fill, "{} /infill streamed", c["id"]);
         assert_eq!(events.last().unwrap()["stop"], true);
     }
-    // ollama: the default decoding settings, the prompt through the chat template.
+    // ollama: the server's (the file's: the card's) settings, a gap of num_predict.
     let c = cases
         .iter()
-        .find(|c| c["template_name"] == "last_line" && c["set"] == "defaults")
+        .find(|c| c["template_name"] == "last_line" && c["set"] == "card")
         .unwrap();
-    let (_, suffix) = c["template_text"]
+    let suffix = c["template_text"]
         .as_str()
         .unwrap()
-        .split_once("}}")
+        .strip_prefix("{{gap}}")
         .unwrap();
     let v = post_json(
         &server,
         "/api/generate",
         &json!({"prompt": detok(&server, &c["prompt_ids"]), "raw": true, "suffix": suffix,
-                "stream": false, "options": {"num_predict": 64}}),
+                "stream": false, "options": {"num_predict": 512}}),
     );
     let prompt_text = detok(&server, &c["prompt_ids"]);
     assert!(retokenizes(&server, &prompt_text, &c["prompt_ids"]));
@@ -362,7 +365,7 @@ fn every_api_fills_the_gaps_as_the_reference() {
         &server,
         "/api/generate",
         &json!({"prompt": detok(&server, &c["prompt_ids"]), "raw": true, "suffix": suffix,
-                "options": {"num_predict": 64}}),
+                "options": {"num_predict": 512}}),
     );
     let streamed: String = body
         .lines()

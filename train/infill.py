@@ -13,7 +13,8 @@ train/goldens.py. The semantics are docs/infill.md's:
   to whole slots, slots aligned to the gap's start;
 - the known spans join the prompt (cur_x) before the first forward, so they enter the KV cache
   as verified slots do, in answer order;
-- serial block b holds each gap's b-th share of its slots (floor(b*n/B) .. floor((b+1)*n/B));
+- each gap is cut into blocks of the card's block length (gen_length / serial_num_blocks, at
+  least one slot) from its start; serial block b holds every gap's b-th block;
 - an EOS ends its own gap (its later slots are dropped; other gaps go on): the card's global
   `eos_flag` becomes one end per gap;
 - at a temperature, the planning noise is refusion's seeded generator (xoshiro256**), so a seed
@@ -74,9 +75,9 @@ class Noise:
 
 
 @torch.no_grad()
-def generate_infill(model, eos_token_id, prompt, template, temperature=0., mask_id=151670,
-                    slot_size=8, serial_num_blocks=2, slot_threshold=0.9, token_threshold=0.9,
-                    seed=0):
+def generate_infill(model, eos_token_id, prompt, template, gen_length=128, temperature=0.,
+                    mask_id=151670, slot_size=8, serial_num_blocks=2, slot_threshold=0.9,
+                    token_threshold=0.9, seed=0):
     # INFILL: `template` is the answer in order: a list of ids (a known span) or an int (a gap
     # of at most that many tokens); the EOS id is given (the card reads the tokenizer's).
     sum_TPF = 0.0
@@ -99,6 +100,12 @@ def generate_infill(model, eos_token_id, prompt, template, temperature=0., mask_
             known_pos += range(pos, pos + len(piece))
             pos += len(piece)
     gap_eos = [None] * len(gaps)
+    # INFILL: the card's block length (of the gen length, `{{gap}}`'s default) in slots, at
+    # least one; every gap is cut into blocks of it from its start, and serial block b holds
+    # every gap's b-th block.
+    padded = gen_length + (slot_size - gen_length % slot_size) % slot_size
+    per_block = max(1, padded // serial_num_blocks // slot_size)
+    n_serial = max(-(-n // per_block) for _, n in gaps)
 
     def gap_of(p):
         for g, (g0, n) in enumerate(gaps):
@@ -122,15 +129,15 @@ def generate_infill(model, eos_token_id, prompt, template, temperature=0., mask_
 
     past_key_values = None
 
-    for serial_num_block in range(serial_num_blocks):
+    for serial_num_block in range(n_serial):  # INFILL: the gaps' blocks
         # INFILL: every gap ended at an EOS: done (the card's `if eos_flag: break`).
         if all(e is not None for e in gap_eos):
             break
         # INFILL: this block's slots: each gap's share, minus those past the gap's EOS.
         starts = []
         for g0, n in gaps:
-            lo = serial_num_block * n // serial_num_blocks
-            hi = (serial_num_block + 1) * n // serial_num_blocks
+            lo = min(serial_num_block * per_block, n)
+            hi = min((serial_num_block + 1) * per_block, n)
             starts += [g0 + s * slot_size for s in range(lo, hi)
                        if not past_eos(g0 + s * slot_size)]
         if not starts:
@@ -452,8 +459,9 @@ def tiny_templates(h):
     and a gap far longer than its fill."""
     lines = h["response"].split("\n")
     first, second, rest = lines[0] + "\n", lines[1] + "\n" if len(lines) > 2 else None, lines
-    out = {"end": [first, 48], "start": [24, "\n".join(lines[1:])],
-           "last_line": [64, lines[-1]]}
+    # None: `{{gap}}`, a gap of the gen length (the shape of a `suffix` request).
+    out = {"end": [first, 48], "start": [None, "\n".join(lines[1:])],
+           "last_line": [None, lines[-1]]}
     if second is not None:
         out["middle"] = [first, 24, "\n".join(lines[2:])]
         out["long_gap"] = [first, 64, "\n".join(lines[2:])]
@@ -470,7 +478,7 @@ def random_templates(rng, hi):
 def run_case(model, eos, prompt, template, s, mask_id, temperature=0.0, seed=0):
     counted = Counted(model)
     x, p, tpf = generate_infill(counted, eos, torch.tensor([prompt]), template,
-                                temperature=temperature, mask_id=mask_id, slot_size=s[1],
+                                gen_length=s[0], temperature=temperature, mask_id=mask_id, slot_size=s[1],
                                 serial_num_blocks=s[2], slot_threshold=s[3],
                                 token_threshold=s[4], seed=seed)
     n = len(prompt)
@@ -510,7 +518,7 @@ def main():
     def add(model_name, models, eos, mask_id, prompt, name, template, setting, text=None,
             temperature=0.0, seed=0):
         s = SETTINGS[setting]
-        ids_template = template
+        ids_template = [s[0] if p is None else p for p in template]
         got = run_case(models[torch.float32], eos, prompt, ids_template, s, mask_id, temperature, seed)
         got64 = run_case(models[torch.float64], eos, prompt, ids_template, s, mask_id, temperature, seed)
         cid = f"infill-{len(cases) + len(dropped):03d}"
@@ -522,7 +530,7 @@ def main():
         case = {"id": cid, "model": model_name, "template_name": name, "set": setting,
                 "prompt_ids": prompt,
                 "template": [{"gap": p} if isinstance(p, int) else {"known": p} for p in ids_template],
-                "slot_size": s[1], "serial_num_blocks": s[2], "slot_threshold": s[3],
+                "gen_length": s[0], "slot_size": s[1], "serial_num_blocks": s[2], "slot_threshold": s[3],
                 "token_threshold": s[4], "temperature": temperature, "seed": seed,
                 "mask_id": mask_id, "eos_id": eos, "tokens": toks, "positions": pos, "tpf": tpf,
                 "n_forward": calls, "answer": answer, "fills": fills}
@@ -551,8 +559,9 @@ def main():
                models[torch.float32], tok, prompts[:2], mask_id, eos)
     for h, prompt in zip(picks, prompts):
         for name, t in tiny_templates(h).items():
-            ids_t = [p if isinstance(p, int) else enc(p) for p in t]
-            text = "".join(f"{{{{gap:{p}}}}}" if isinstance(p, int) else p for p in t)
+            ids_t = [p if p is None or isinstance(p, int) else enc(p) for p in t]
+            text = "".join("{{gap}}" if p is None else f"{{{{gap:{p}}}}}" if isinstance(p, int)
+                           else p for p in t)
             for setting in ("defaults", "card"):
                 add("refusion-tiny", models, eos, mask_id, prompt, name, ids_t, setting, text)
     h, prompt = picks[0], prompts[0]

@@ -132,7 +132,8 @@ impl DecodeParams {
             super::Kind::Slots => {}
             // Slots and serial blocks are slot decoding's: any gen length works without them.
             super::Kind::Autoregressive => (d.slot_size, d.serial_blocks) = (1, 1),
-            // Each gap is spread over the serial blocks evenly: any number of them works.
+            // Gaps are cut into blocks of the gen length's block length (at least a slot):
+            // any number of serial blocks works.
             super::Kind::Infill => {
                 if !(1..=refusion_gguf::decoding::MAX_TOKENS).contains(&self.serial_blocks) {
                     return Err(RequestError::Params(format!(
@@ -141,7 +142,7 @@ impl DecodeParams {
                         self.serial_blocks
                     )));
                 }
-                (d.gen_length, d.serial_blocks) = (d.slot_size.max(1), 1);
+                d.serial_blocks = 1;
             }
         }
         d.validate().map_err(RequestError::Params)?;

@@ -1,8 +1,8 @@
 //! Where a slot decode's slots lie: runs of masked positions, each cut into slots from its
 //! first position and spread over the serial blocks; a run ends at its first committed EOS.
 //! Plain slot decoding has one run after the prompt, split as the reference splits it;
-//! infilling has one run per gap of the template ([`super::super::template`]), each gap's
-//! b-th share of slots in serial block b.
+//! infilling has one run per gap of the template ([`super::super::template`]), each cut into
+//! blocks of the plain decode's block length, every gap's b-th block in serial block b.
 
 use crate::decode::template::Template;
 use crate::decode::DecodeParams;
@@ -10,53 +10,61 @@ use crate::decode::DecodeParams;
 struct Run {
     start: u32,
     slots: u32,
-    /// Slots per serial block as the reference counts them (`gen_length / blocks / k`, the
-    /// remainder never generated); `None`: an even split (`b * slots / blocks ..`), nothing
-    /// left out.
-    per_block: Option<u32>,
     /// The position of the run's first committed EOS: its slots after it are never decoded.
     eos: Option<u32>,
 }
 
 pub(super) struct Layout {
     k: u32,
+    /// Slots per serial block (of each run).
+    per_block: u32,
     blocks: u32,
     runs: Vec<Run>,
 }
 
 impl Layout {
     /// The reference's layout: one run of the padded gen length after a prompt of
-    /// `prompt_len` tokens.
+    /// `prompt_len` tokens, in `serial_blocks` blocks of `gen_length / serial_blocks` tokens
+    /// (a remainder is never generated).
     pub(super) fn contiguous(prompt_len: u32, p: &DecodeParams) -> Layout {
         let k = p.slot_size.max(1);
         Layout {
             k,
+            per_block: p.block_len() / k,
             blocks: p.serial_blocks.max(1),
             runs: vec![Run {
                 start: prompt_len,
                 slots: p.padded_gen_length() / k,
-                per_block: Some(p.block_len() / k),
                 eos: None,
             }],
         }
     }
 
-    /// One run per gap of `t`, the answer after a prompt of `prompt_len` tokens.
+    /// One run per gap of `t`, the answer after a prompt of `prompt_len` tokens. Each gap is
+    /// cut into serial blocks of the plain decode's length (`gen_length / serial_blocks`, at
+    /// least one slot) from its start; serial block b holds every gap's b-th block.
     pub(super) fn template(prompt_len: u32, t: &Template, p: &DecodeParams) -> Layout {
         let k = p.slot_size.max(1);
+        let per_block = (p.block_len() / k).max(1);
+        let runs: Vec<Run> = t
+            .gaps(prompt_len, k)
+            .into_iter()
+            .map(|(start, slots)| Run {
+                start,
+                slots,
+                eos: None,
+            })
+            .collect();
+        let blocks = runs
+            .iter()
+            .map(|r| r.slots.div_ceil(per_block))
+            .max()
+            .unwrap_or(0);
         Layout {
             k,
-            blocks: p.serial_blocks.max(1),
-            runs: t
-                .gaps(prompt_len, k)
-                .into_iter()
-                .map(|(start, slots)| Run {
-                    start,
-                    slots,
-                    per_block: None,
-                    eos: None,
-                })
-                .collect(),
+            per_block,
+            blocks,
+            runs,
         }
     }
 
@@ -64,16 +72,10 @@ impl Layout {
         self.blocks as usize
     }
 
-    /// Run `r`'s slot indices in serial block `b`.
+    /// A run's slot indices in serial block `b`.
     fn share(&self, run: &Run, b: u32) -> std::ops::Range<u32> {
-        match run.per_block {
-            Some(per) => b * per..(b + 1) * per,
-            None => {
-                let (n, nb) = (run.slots as u64, self.blocks as u64);
-                let at = |b: u64| (b * n / nb) as u32;
-                at(b as u64)..at(b as u64 + 1)
-            }
-        }
+        let at = |b: u32| (b as u64 * self.per_block as u64).min(run.slots as u64) as u32;
+        at(b)..at(b + 1)
     }
 
     /// Serial block `b`'s slots (first positions), in position order, without those past
@@ -93,18 +95,14 @@ impl Layout {
 
     /// The most masked tokens one planning forward may hold (its serial block's slots).
     pub(super) fn max_block_tokens(&self) -> usize {
-        (0..self.blocks)
-            .map(|b| {
-                self.runs
-                    .iter()
-                    .map(|r| self.share(r, b).len() as u64)
-                    .sum::<u64>()
-            })
-            .max()
-            .unwrap_or(0) as usize
-            * self.k as usize
+        // Block 0 is the fullest: every run's first block.
+        let slots: u64 = self
+            .runs
+            .iter()
+            .map(|r| self.share(r, 0).len() as u64)
+            .sum();
+        slots as usize * self.k as usize
     }
-
     fn run_of(&self, pos: u32) -> Option<usize> {
         let i = self.runs.partition_point(|r| r.start <= pos);
         let r = self.runs.get(i.checked_sub(1)?)?;
