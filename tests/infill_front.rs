@@ -181,6 +181,12 @@ fn bad_templates_are_refused_in_one_line() {
         assert!(err.contains(says), "{extra:?}: {err}");
         assert!(!err.contains("panicked"), "{extra:?}: {err}");
     }
+    // A batch line asking for gap filling is refused by name, not run without its gaps.
+    let batch = tmp.path().join("b.jsonl");
+    std::fs::write(&batch, "{\"prompt\":\"hi\",\"suffix\":\"x\"}\n").unwrap();
+    let o = run(&["generate", "-m", m, "--batch", batch.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("b.jsonl:1: suffix"), "{}", stderr(&o));
     // Marker mistakes are found before the model loads: even with no model file.
     let o = run(&[
         "generate",

@@ -37,6 +37,9 @@ pub struct Line {
     messages: Option<Vec<ChatMessage>>,
     system: Option<String>,
     id: Option<Value>,
+    /// Gap filling is not run in a batch: refused by name rather than ignored.
+    suffix: Option<Value>,
+    infill: Option<Value>,
     #[serde(flatten)]
     knobs: Knobs,
 }
@@ -69,6 +72,11 @@ pub fn read(path: &Path) -> Result<Vec<(usize, Value, Line)>> {
         }
         if line.knobs.n.is_some_and(|n| n != 1) {
             return Err(at("n must be 1 (one choice per line)"));
+        }
+        if line.suffix.is_some() || line.infill.is_some() {
+            return Err(at(
+                "suffix / infill (gap filling) is not run in a batch: use generate --template or serve's APIs",
+            ));
         }
         if line.knobs.stream {
             return Err(at("stream is not used in a batch; drop it"));
