@@ -502,8 +502,22 @@ fn template_mistakes_are_400s_naming_the_field() {
         (
             "/v1/completions",
             json!({"prompt": "hi", "suffix": "x", "strategy": "ar"}),
-            "suffix",
+            "strategy",
             "cannot fill",
+        ),
+        // Positions beyond any context (they would overflow u32 together): refused, and the
+        // server goes on.
+        (
+            "/v1/chat/completions",
+            chat(&"{{gap:1048576}}".repeat(4100)),
+            "messages",
+            "more than any context",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("a{{gap:3000}}"),
+            "messages",
+            "--max-gen-length 2048",
         ),
         (
             "/infill",

@@ -28,6 +28,11 @@ impl<'t> TextStream<'t> {
         }
     }
 
+    /// Whether the text has ended (its EOS was reached).
+    pub fn ended(&self) -> bool {
+        self.done
+    }
+
     /// Records committed tokens and returns the text that became final, if any.
     pub fn push(&mut self, positions: &[u32], tokens: &[u32]) -> Option<String> {
         for (&p, &t) in positions.iter().zip(tokens) {

@@ -119,12 +119,9 @@ pub(super) struct Report<'r> {
 }
 
 impl Report<'_> {
-    /// Tokens the model wrote: all of them, or a template's fills (its spans are given).
+    /// Tokens the model wrote, counted as the server's `usage` counts them.
     fn generated(&self) -> usize {
-        match &self.result.filled {
-            Some(f) => f.gaps.iter().map(|g| g.tokens.len()).sum(),
-            None => self.result.tokens.len(),
-        }
+        self.result.completion_tokens()
     }
 
     fn tokens_per_s(&self) -> f64 {
@@ -190,7 +187,7 @@ impl Report<'_> {
             self.tokens_per_s()
         );
         eprintln!(
-            "refusion: forward calls = {:>10} ({:.1} tokens per call), TPF {:.3}",
+            "refusion: forward calls = {:>10} ({:.1} tokens fed per call), TPF {:.3} (tokens committed per forward, the reference's measure)",
             r.forward_calls,
             r.forward_tokens as f64 / r.forward_calls.max(1) as f64,
             r.tpf

@@ -15,6 +15,9 @@ use crate::runtime::{load, resident_bytes};
 pub struct BenchArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// llama-bench's -pg PP,TG (prompt then generation in one test): refused by name.
+    #[arg(long = "pg", hide = true, allow_hyphen_values = true)]
+    pg: Option<String>,
     /// New tokens per forward, comma-separated.
     #[arg(
         short = 'p',
@@ -52,6 +55,11 @@ struct Row {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    if let Some(pg) = &a.pg {
+        anyhow::bail!(
+            "-pg {pg} is not supported: measure the prompt with -p and the generation with -n (one row each)"
+        );
+    }
     let a = a.checked()?;
     let format = if a.json { "jsonl" } else { a.output.as_str() };
     let table = format == "md";

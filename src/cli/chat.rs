@@ -30,6 +30,19 @@ pub struct ChatArgs {
     /// A system message that starts the conversation.
     #[arg(long)]
     system: Option<String>,
+    /// llama-cli's -i / -cnv: chat is interactive (accepted).
+    #[arg(short = 'i', long = "interactive", hide = true)]
+    interactive: bool,
+    #[arg(long = "conversation", hide = true)]
+    conversation: bool,
+    /// llama-cli's -mli: refused by name (one line is one message; `\n` in /template).
+    #[arg(long = "multiline-input", hide = true)]
+    multiline_input: bool,
+    /// llama-cli's -no-cnv / -st: refused, pointing to `refusion generate`.
+    #[arg(long = "no-conversation", hide = true)]
+    no_conversation: bool,
+    #[arg(long = "single-turn", hide = true)]
+    single_turn: bool,
 }
 
 const HELP: &str = "commands: /reset  /save FILE  /load FILE  /template TEXT  /bye (or /exit)  \
@@ -78,6 +91,14 @@ fn restore<M: crate::model::Forward + ?Sized>(
 
 pub fn run(a: ChatArgs) -> Result<()> {
     a.decode.check()?;
+    if a.multiline_input {
+        anyhow::bail!("-mli is not supported: chat takes one line per message (end it with Enter)");
+    }
+    if a.no_conversation || a.single_turn {
+        let flag = if a.single_turn { "-st" } else { "-no-cnv" };
+        anyhow::bail!("{flag}: for one answer without a conversation, use refusion generate");
+    }
+    let _ = (a.interactive, a.conversation);
     super::set_threads(a.model.threads)?;
     let loaded = load(&a.model.load_options(true)?)?;
     let header = &loaded.file.header;
@@ -224,7 +245,7 @@ impl Chat<'_> {
         let t = crate::decode::Template::from_text(&pieces, |s| tok.encode(s))?;
         let base = self.params.clone();
         let vocab = crate::model::Forward::config(self.session.model()).vocab;
-        t.validate(base.mask_id, vocab)?;
+        t.validate_for(base.mask_id, vocab, base.slot_size)?;
         let p = base.with_template(t);
         p.validate()?;
         Ok(p)
@@ -297,9 +318,9 @@ impl Chat<'_> {
                 let secs = start.elapsed().as_secs_f64();
                 eprintln!(
                     "[{} tokens in {:.2} s, {:.1} tokens/s, TPF {:.2}, {} of {} prompt tokens from the cache]",
-                    r.tokens.len(),
+                    r.completion_tokens(),
                     secs,
-                    r.tokens.len() as f64 / secs.max(1e-9),
+                    r.completion_tokens() as f64 / secs.max(1e-9),
                     r.tpf,
                     self.session.last_reused,
                     prompt.len()

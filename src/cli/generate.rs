@@ -41,6 +41,14 @@ pub struct GenerateArgs {
     /// llama-cli's -cnv: refused, pointing to `refusion chat`.
     #[arg(long = "conversation", hide = true)]
     conversation: bool,
+    /// llama-cli's -i: refused, pointing to `refusion chat`.
+    #[arg(short = 'i', long = "interactive", hide = true)]
+    interactive: bool,
+    /// llama-cli's -no-cnv and -st: generate answers one prompt and exits (accepted).
+    #[arg(long = "no-conversation", hide = true)]
+    no_conversation: bool,
+    #[arg(long = "single-turn", hide = true)]
+    single_turn: bool,
     #[command(flatten)]
     decode: DecodeArgs,
     /// Fill the gaps of this answer (any-order generation): known text with `{{gap}}` (at
@@ -346,13 +354,16 @@ fn read_prompt_file(path: &std::path::Path) -> Result<String> {
 
 pub fn run(a: GenerateArgs) -> Result<()> {
     a.decode.check()?;
-    if let Some(t) = a.template_text() {
+    if let Some(pieces) = a.template_pieces(1) {
         // The markers are checked before the model loads (the gap default comes with it).
-        crate::decode::template::parse(&t, 1)?;
+        pieces?;
     }
-    if a.conversation {
-        bail!("-cnv: for a conversation, use refusion chat (generate answers one prompt)");
+    if a.conversation || a.interactive {
+        let flag = if a.conversation { "-cnv" } else { "-i" };
+        bail!("{flag}: for a conversation, use refusion chat (generate answers one prompt)");
     }
+    // -no-cnv and -st ask for what generate does anyway.
+    let _ = (a.no_conversation, a.single_turn);
     super::set_threads(a.model.threads)?;
     if let Some(path) = &a.batch {
         return run_batch(&a, path);
@@ -367,7 +378,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     };
     let start = Instant::now();
     let loaded = load(&opts)?;
-    let infill = a.template_text().is_some();
+    let infill = a.templated();
     let params = a
         .decode
         .params_for(&loaded.file.header, &loaded.tokenizer, infill)?;
@@ -425,11 +436,26 @@ pub fn run(a: GenerateArgs) -> Result<()> {
 }
 
 impl GenerateArgs {
-    /// `--template`, or `--suffix TEXT` as `{{gap}}TEXT`.
-    fn template_text(&self) -> Option<String> {
+    /// Whether there are gaps to fill (`--template` or `--suffix`).
+    fn templated(&self) -> bool {
+        self.template.is_some() || self.suffix.is_some()
+    }
+
+    /// The template's pieces, `{{gap}}` of `default_gap` tokens: `--template`'s markers, or
+    /// one gap and `--suffix`'s text taken as it is (markers in a suffix are text).
+    fn template_pieces(
+        &self,
+        default_gap: u32,
+    ) -> Option<crate::error::Result<Vec<crate::decode::TextPiece>>> {
+        use crate::decode::TextPiece;
         match (&self.template, &self.suffix) {
-            (Some(t), _) => Some(t.clone()),
-            (None, Some(s)) => Some(format!("{{{{gap}}}}{s}")),
+            (Some(t), _) => {
+                Some(crate::decode::template::parse(t, default_gap).map_err(Into::into))
+            }
+            (None, Some(s)) => Some(Ok(vec![
+                TextPiece::Gap(default_gap),
+                TextPiece::Text(s.clone()),
+            ])),
             _ => None,
         }
     }
@@ -440,13 +466,13 @@ impl GenerateArgs {
         params: DecodeParams,
         loaded: &crate::runtime::Loaded,
     ) -> Result<DecodeParams> {
-        let Some(text) = self.template_text() else {
+        let Some(pieces) = self.template_pieces(params.gen_length) else {
             return Ok(params);
         };
-        let pieces = crate::decode::template::parse(&text, params.gen_length)?;
+        let pieces = pieces?;
         let t = crate::decode::Template::from_text(&pieces, |s| loaded.tokenizer.encode(s))?;
         let vocab = crate::model::Forward::config(&loaded.model).vocab;
-        t.validate(params.mask_id, vocab)?;
+        t.validate_for(params.mask_id, vocab, params.slot_size)?;
         let params = params.with_template(t);
         params.validate()?;
         Ok(params)

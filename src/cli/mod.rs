@@ -108,6 +108,12 @@ fn llama_cpp_flag(arg: std::ffi::OsString) -> std::ffi::OsString {
         ("-ctv", "--cache-type-v"),
         ("-fa", "--flash-attn"),
         ("-cnv", "--conversation"),
+        ("-no-cnv", "--no-conversation"),
+        ("-st", "--single-turn"),
+        ("-cb", "--cont-batching"),
+        ("-nocb", "--no-cont-batching"),
+        ("-pg", "--pg"),
+        ("-mli", "--multiline-input"),
     ] {
         if s == short {
             return long.into();

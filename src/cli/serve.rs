@@ -20,8 +20,8 @@ pub struct ServeArgs {
     model: ModelArgs,
     #[command(flatten)]
     decode: DecodeArgs,
-    /// Address to listen on (loopback by default).
-    #[arg(long, default_value = "127.0.0.1")]
+    /// Address to listen on, or a host name (`localhost`): loopback by default.
+    #[arg(long, default_value = "127.0.0.1", value_parser = parse_host)]
     host: IpAddr,
     /// Port (0 picks a free one).
     #[arg(long, default_value_t = 8080)]
@@ -51,8 +51,14 @@ pub struct ServeArgs {
     #[arg(short = 'v', long)]
     verbose: bool,
     /// The model id reported by /v1/models (default: general.name).
-    #[arg(long)]
+    #[arg(short = 'a', long)]
     alias: Option<String>,
+    /// llama-server's -cb: continuous batching, always on here (accepted).
+    #[arg(long = "cont-batching", hide = true)]
+    cont_batching: bool,
+    /// llama-server's -nocb: refused by name (requests always share forwards).
+    #[arg(long = "no-cont-batching", hide = true)]
+    no_cont_batching: bool,
     /// Seconds a request's headers may take, from its first byte.
     #[arg(long, default_value_t = 10.0, value_name = "SECS")]
     header_timeout: f64,
@@ -142,6 +148,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if !(1..=256).contains(&a.parallel) {
         anyhow::bail!("--parallel must be between 1 and 256, got {}", a.parallel);
     }
+    if a.no_cont_batching {
+        anyhow::bail!(
+            "-nocb is not supported: requests always share forwards (continuous batching); -np 1 decodes one request at a time"
+        );
+    }
+    let _ = a.cont_batching;
     check_access(a.host, a.api_key.as_deref())?;
     if !(1..=65_536).contains(&a.max_connections) {
         anyhow::bail!(
@@ -184,4 +196,25 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     serve(loaded, limits, cfg)?;
     Ok(())
+}
+
+/// `--host`: an address, or a name resolved now (`localhost`: its loopback address), as
+/// llama-server takes it.
+fn parse_host(s: &str) -> std::result::Result<IpAddr, String> {
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        return Ok(ip);
+    }
+    use std::net::ToSocketAddrs;
+    let addrs: Vec<IpAddr> = (s, 0)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve host name '{s}': {e}"))?
+        .map(|a| a.ip())
+        .collect();
+    // IPv4 first, as most clients try it first for `localhost`.
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| format!("host name '{s}' has no address"))
 }

@@ -87,6 +87,16 @@ impl DecodeResult {
         }
     }
 
+    /// The tokens the model wrote, as every front end counts them (generate's and chat's
+    /// figures, the server's `usage`): the answer before its EOS, or a template's fills (its
+    /// spans are the caller's).
+    pub fn completion_tokens(&self) -> usize {
+        match &self.filled {
+            Some(f) => f.gaps.iter().map(|g| g.tokens.len()).sum(),
+            None => self.answer().len(),
+        }
+    }
+
     /// Whether the answer ended at an EOS (OpenAI's finish reason "stop", not "length"); for
     /// a template, whether every gap did.
     pub fn stopped(&self) -> bool {
@@ -136,7 +146,8 @@ pub fn check(prompt: &[u32], params: &DecodeParams, vocab: usize, capacity: usiz
         return Err(RequestError::OutsideVocabulary { token, vocab }.into());
     }
     if params.strategy == Kind::Infill {
-        params.answer_template().validate(params.mask_id, vocab)?;
+        let t = params.answer_template();
+        t.validate_for(params.mask_id, vocab, params.slot_size)?;
     }
     let gen = params.answer_len() as usize;
     let block = params.strategy.scratch(params);

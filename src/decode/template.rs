@@ -152,6 +152,38 @@ impl Template {
         Ok(())
     }
 
+    /// [`Self::validate`], and the answer's positions (spans and gaps rounded up to whole
+    /// `slot_size` slots) within any context: at most [`refusion_gguf::decoding::MAX_TOKENS`]
+    /// (so no position arithmetic can overflow).
+    pub fn validate_for(
+        &self,
+        mask_id: u32,
+        vocab: usize,
+        slot_size: u32,
+    ) -> Result<(), RequestError> {
+        self.validate(mask_id, vocab)?;
+        let max = refusion_gguf::decoding::MAX_TOKENS as u64;
+        let n = self.positions(slot_size);
+        if n > max {
+            return Err(RequestError::Template(format!(
+                "the answer takes {n} positions (its spans and gaps), more than any context (at most {max})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Tokens the gaps may hold together (each rounded up to whole slots).
+    pub fn gap_positions(&self, slot_size: u32) -> u64 {
+        let k = slot_size.max(1) as u64;
+        self.pieces
+            .iter()
+            .map(|p| match p {
+                Piece::Gap(n) => (*n as u64).div_ceil(k) * k,
+                Piece::Known(_) => 0,
+            })
+            .sum()
+    }
+
     /// Positions the answer takes: the spans, and each gap rounded up to whole `slot_size`
     /// slots (in u64: no overflow for any template).
     pub fn positions(&self, slot_size: u32) -> u64 {

@@ -387,7 +387,7 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
         match &result {
             Ok(d) => {
                 self.stats.requests_finished += 1;
-                self.stats.tokens_generated += d.answer().len() as u64;
+                self.stats.tokens_generated += d.completion_tokens() as u64;
             }
             Err(Error::Cancelled) => self.stats.requests_cancelled += 1,
             Err(_) => self.stats.requests_failed += 1,

@@ -44,18 +44,33 @@ impl FillSpec {
     }
 
     /// `params` decoding this template: spans tokenized, checked against the vocabulary and
-    /// the mask token; a mistake is a 400 naming the field.
+    /// the mask token, its gaps within `max_gen` tokens together (the server's
+    /// `--max-gen-length`); a mistake is a 400 naming the field.
     pub fn apply(
         &self,
         params: DecodeParams,
         tok: &Tokenizer,
         vocab: usize,
+        max_gen: u32,
     ) -> Result<DecodeParams, ApiError> {
+        if params.strategy == crate::decode::Kind::Autoregressive {
+            return Err(ApiError::bad_request(format!(
+                "strategy 'ar' cannot fill gaps (a {} asks for them): gaps are filled by slot decoding",
+                self.field
+            ))
+            .param("strategy"));
+        }
         let pieces = self.pieces(params.gen_length)?;
         let t = Template::from_text(&pieces, |s| tok.encode(s))
             .map_err(|e| ApiError::bad_request(e.to_string()).param(self.field))?;
-        t.validate(params.mask_id, vocab)
+        t.validate_for(params.mask_id, vocab, params.slot_size)
             .map_err(|e| self.error(e))?;
+        let gaps = t.gap_positions(params.slot_size);
+        if gaps > max_gen as u64 {
+            return Err(self.error(format!(
+                "template: its gaps hold {gaps} tokens together, more than this server's --max-gen-length {max_gen}"
+            )));
+        }
         let params = params.with_template(t);
         params.validate().map_err(|e| self.error(e))?;
         Ok(params)
@@ -92,6 +107,9 @@ struct Gap<'t> {
     end: u32,
     stream: TextStream<'t>,
     filter: StopFilter,
+    /// This commit's tokens in the gap (reused between commits).
+    pos: Vec<u32>,
+    toks: Vec<u32>,
 }
 
 impl<'t> Fills<'t> {
@@ -111,14 +129,22 @@ impl<'t> Fills<'t> {
                 end: start + slots * k,
                 stream: TextStream::new(tok, start as usize, params.eos_id),
                 filter: StopFilter::new(stops.to_vec()),
+                pos: Vec::new(),
+                toks: Vec::new(),
             })
             .collect();
         Fills { gaps }
     }
 
-    /// Whether a stop string cut every gap (the decode may stop).
+    /// Whether a stop string cut some gap and every gap is over (cut, or ended at its EOS):
+    /// the decode may stop.
     pub fn all_stopped(&self) -> bool {
-        self.gaps.iter().all(|g| g.filter.hit)
+        self.any_stopped() && self.gaps.iter().all(|g| g.filter.hit || g.stream.ended())
+    }
+
+    /// The text sent so far, every gap's (a stopped decode counts its tokens from it).
+    pub fn sent(&self) -> String {
+        self.gaps.iter().map(|g| g.filter.sent()).collect()
     }
 
     /// Whether a stop string cut some gap.
@@ -128,18 +154,25 @@ impl<'t> Fills<'t> {
 
     /// Committed tokens: the text each gap gained.
     pub fn push(&mut self, positions: &[u32], tokens: &[u32]) -> Vec<Msg> {
+        // Each token to its gap (gaps are in position order).
+        for (&p, &t) in positions.iter().zip(tokens) {
+            let i = self.gaps.partition_point(|g| g.start <= p);
+            if let Some(g) = i.checked_sub(1).and_then(|i| self.gaps.get_mut(i)) {
+                if p < g.end {
+                    g.pos.push(p);
+                    g.toks.push(t);
+                }
+            }
+        }
         let mut out = Vec::new();
         for (i, g) in self.gaps.iter_mut().enumerate() {
-            let (pos, toks): (Vec<u32>, Vec<u32>) = positions
-                .iter()
-                .zip(tokens)
-                .filter(|(&p, _)| (g.start..g.end).contains(&p))
-                .map(|(&p, &t)| (p, t))
-                .unzip();
-            if pos.is_empty() {
+            if g.pos.is_empty() {
                 continue;
             }
-            if let Some(text) = g.stream.push(&pos, &toks) {
+            let text = g.stream.push(&g.pos, &g.toks);
+            g.pos.clear();
+            g.toks.clear();
+            if let Some(text) = text {
                 let text = g.filter.push(&text);
                 if !text.is_empty() {
                     out.push(Msg::Fill { gap: i, text });

@@ -130,8 +130,10 @@ pub(super) async fn completions_inner(
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_with_knobs(&body)?;
     let inputs = prompts(req.prompt, state.queue)?;
+    // An empty suffix is none (as in ollama): plain generation.
     let template = req
         .suffix
+        .filter(|s| !s.is_empty())
         .map(|s| FillSpec::new(FillSource::Suffix(s), "suffix"));
     let include_usage = req
         .knobs

@@ -167,6 +167,11 @@ impl StopFilter {
         out
     }
 
+    /// The text released so far.
+    pub(super) fn sent(&self) -> &str {
+        &self.text[..self.emitted]
+    }
+
     pub(super) fn finish(&mut self) -> String {
         if self.hit || self.emitted >= self.text.len() {
             return String::new();
@@ -326,7 +331,12 @@ impl<'a> Ctx<'a> {
             .knobs
             .params(&base, self.limits.max_gen_length)
             .and_then(|p| match &job.template {
-                Some(spec) => spec.apply(p, &self.loaded.tokenizer, self.vocab()),
+                Some(spec) => spec.apply(
+                    p,
+                    &self.loaded.tokenizer,
+                    self.vocab(),
+                    self.limits.max_gen_length,
+                ),
                 None => Ok(p),
             });
         let params = match params {
@@ -531,16 +541,17 @@ impl Answer<'_> {
                 msgs.push(Msg::Done {
                     finish_reason,
                     prompt_tokens,
-                    completion_tokens: completion_tokens(&r),
+                    completion_tokens: r.completion_tokens(),
                 });
                 Ok(msgs)
             }
             Err(Error::Cancelled) if self.stopped() && self.fills.is_some() => {
                 let mut msgs = self.fills.as_mut().map(|f| f.finish()).unwrap_or_default();
+                let sent = self.fills.as_ref().map(|f| f.sent()).unwrap_or_default();
                 msgs.push(Msg::Done {
                     finish_reason: "stop",
                     prompt_tokens,
-                    completion_tokens: 0,
+                    completion_tokens: tokenizer.encode(&sent).map(|t| t.len()).unwrap_or(0),
                 });
                 Ok(msgs)
             }
@@ -565,15 +576,6 @@ impl Answer<'_> {
             }
             Err(e) => Err(api_error(e)),
         }
-    }
-}
-
-/// Tokens the model wrote: the answer, or a template's fills (its known spans are the
-/// caller's).
-fn completion_tokens(r: &crate::decode::DecodeResult) -> usize {
-    match &r.filled {
-        Some(f) => f.gaps.iter().map(|g| g.tokens.len()).sum(),
-        None => r.answer().len(),
     }
 }
 

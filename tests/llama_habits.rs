@@ -1,0 +1,82 @@
+//! llama.cpp's spellings a user brings (issue 33, item 2), through the binary: its joined short
+//! options are accepted or refused by their own name (never misread as other flags), `-a` is
+//! `--alias`, `--host` takes a name that resolves to loopback, and `-i` points to `chat`.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use common::server::Server;
+use common::*;
+
+#[test]
+fn joined_short_options_are_accepted_or_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("a.gguf");
+    convert_quiet(&fixture_model("pub-a"), &out, "f32");
+    let m = out.to_str().unwrap();
+    // Accepted: what the command does anyway.
+    let o = run(&[
+        "generate",
+        "-m",
+        m,
+        "--prompt-ids",
+        "5,9",
+        "-n",
+        "8",
+        "-no-cnv",
+        "-st",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Refused by their own names, with the reason, before the model loads.
+    for (args, says) in [
+        (
+            vec!["generate", "-m", m, "-p", "x", "-i"],
+            "-i: for a conversation, use refusion chat",
+        ),
+        (
+            vec!["generate", "-m", m, "-p", "x", "--interactive"],
+            "-i: for a conversation",
+        ),
+        (vec!["chat", "-m", m, "-mli"], "-mli is not supported"),
+        (vec!["chat", "-m", m, "-st"], "-st: for one answer"),
+        (vec!["chat", "-m", m, "-no-cnv"], "-no-cnv: for one answer"),
+        (
+            vec!["bench", "-m", m, "-pg", "512,128"],
+            "-pg 512,128 is not supported",
+        ),
+        (vec!["serve", "-m", m, "-nocb"], "-nocb is not supported"),
+        (
+            vec!["serve", "-m", m, "--host", "no-such-host.invalid"],
+            "cannot resolve host name",
+        ),
+    ] {
+        let o = run(&args);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        let err = stderr(&o);
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(
+            !err.contains("memory plan"),
+            "{args:?} loaded the model first: {err}"
+        );
+        for misread in ["cannot be used multiple times", "invalid value 't'"] {
+            assert!(!err.contains(misread), "{args:?} misread: {err}");
+        }
+    }
+}
+
+#[test]
+fn serve_takes_a_host_name_and_a_short_alias() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("a.gguf");
+    convert_quiet(&fixture_model("pub-a"), &out, "f32");
+    let server = Server::start(&out, &["--host", "localhost", "-a", "my-model", "-cb"]);
+    let mut s = TcpStream::connect(server.addr()).unwrap();
+    s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    assert!(body.contains("\"id\":\"my-model\""), "{body}");
+    assert!(server.base.contains("127.0.0.1") || server.base.contains("[::1]"));
+}
