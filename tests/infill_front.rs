@@ -517,7 +517,7 @@ fn template_mistakes_are_400s_naming_the_field() {
             "/v1/chat/completions",
             chat("a{{gap:3000}}"),
             "messages",
-            "--max-gen-length 2048",
+            "max_tokens limit (236)",
         ),
         (
             "/infill",

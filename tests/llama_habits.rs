@@ -80,3 +80,43 @@ fn serve_takes_a_host_name_and_a_short_alias() {
     assert!(body.contains("\"id\":\"my-model\""), "{body}");
     assert!(server.base.contains("127.0.0.1") || server.base.contains("[::1]"));
 }
+
+/// Numbers that agree (item 3): the answer never holds more than `-n` tokens although slot
+/// decoding rounds the gen length up to whole slots; generate's count is the answer's (before
+/// EOS), as the server's `usage`; the figures name tokens fed per call and TPF apart.
+#[test]
+fn counts_agree_with_the_gen_length_and_each_other() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("a.gguf");
+    convert_quiet(&fixture_model("pub-a"), &out, "f32");
+    let m = out.to_str().unwrap();
+    for prompt in ["5,9,13", "100,7,7,7,42", "77,3"] {
+        let o = run(&[
+            "generate",
+            "-m",
+            m,
+            "--prompt-ids",
+            prompt,
+            "-n",
+            "16",
+            "--slot-size",
+            "3",
+            "--serial-blocks",
+            "1",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let raw = v["tokens"].as_array().unwrap().len();
+        let answer = v["answer_tokens"].as_u64().unwrap();
+        assert!(answer <= 16, "{prompt}: {answer} answer tokens for -n 16");
+        assert!(
+            raw <= 18,
+            "{prompt}: {raw} positions for 16 rounded to slots of 3"
+        );
+    }
+    let o = run(&["generate", "-m", m, "--prompt-ids", "5,9,13", "-n", "16"]);
+    let err = stderr(&o);
+    assert!(err.contains("tokens fed per call"), "{err}");
+    assert!(err.contains("tokens committed per forward"), "{err}");
+}

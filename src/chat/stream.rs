@@ -13,6 +13,7 @@ pub struct TextStream<'t> {
     prefix: Vec<u32>,
     emitted: usize,
     done: bool,
+    limit: usize,
 }
 
 impl<'t> TextStream<'t> {
@@ -25,7 +26,15 @@ impl<'t> TextStream<'t> {
             prefix: Vec::new(),
             emitted: 0,
             done: false,
+            limit: usize::MAX,
         }
+    }
+
+    /// Stops the text after `n` tokens (the gen length: slot decoding may commit a little past
+    /// it, rounding it up to whole slots).
+    pub fn limit(mut self, n: usize) -> Self {
+        self.limit = n;
+        self
     }
 
     /// Whether the text has ended (its EOS was reached).
@@ -40,6 +49,10 @@ impl<'t> TextStream<'t> {
         }
         let before = self.prefix.len();
         while !self.done {
+            if self.prefix.len() >= self.limit {
+                self.done = true;
+                break;
+            }
             let next = self.prompt_len + self.prefix.len() as u32;
             match self.committed.get(&next) {
                 Some(&t) if t == self.eos => self.done = true,

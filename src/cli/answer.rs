@@ -37,7 +37,8 @@ impl<'t> Output<'t> {
         Output {
             visual,
             stream: !a.json && !visual && !templated,
-            streamer: TextStream::new(tok, prompt.len(), params.eos_id),
+            streamer: TextStream::new(tok, prompt.len(), params.eos_id)
+                .limit(params.answer_limit()),
             canvas: Canvas {
                 prompt_len: prompt.len() as u32,
                 cells: vec![(' ', String::new()); gen],

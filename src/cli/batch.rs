@@ -224,7 +224,7 @@ pub fn run(loaded: &Loaded, lines: Vec<(usize, Value, Line)>, opts: &BatchRun<'_
             }
         };
         let answer = Answer {
-            stream: TextStream::new(tok, prompt.len(), params.eos_id),
+            stream: TextStream::new(tok, prompt.len(), params.eos_id).limit(params.answer_limit()),
             text: String::new(),
             stops: line
                 .knobs

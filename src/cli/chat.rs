@@ -283,7 +283,8 @@ impl Chat<'_> {
             return Ok(());
         }
         let tok = self.session.tokenizer();
-        let mut stream = TextStream::new(tok, prompt.len(), params.eos_id);
+        let mut stream =
+            TextStream::new(tok, prompt.len(), params.eos_id).limit(params.answer_limit());
         // A template's gaps fill in any order: its answer is printed once filled.
         let streaming = params.template.is_none();
         let mut stdout = std::io::stdout();

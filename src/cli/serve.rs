@@ -181,8 +181,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
             .to_string()
     });
     let limits = Limits {
+        max_gen_length: max_gen_that_fits(a.max_gen_length.max(1), &base, loaded.context)?,
         base,
-        max_gen_length: a.max_gen_length.max(1),
         parallel: a.parallel,
     };
     let cfg = ServerConfig {
@@ -196,6 +196,31 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     serve(loaded, limits, cfg)?;
     Ok(())
+}
+
+/// The largest `max_tokens` the server advertises and accepts: `--max-gen-length`, lowered
+/// (with a note) to what a one-token prompt, the answer rounded up to whole slots and a serial
+/// block of scratch leave room for in the context.
+fn max_gen_that_fits(
+    asked: u32,
+    base: &crate::decode::DecodeParams,
+    context: usize,
+) -> Result<u32> {
+    let k = base.slot_size.max(1) as usize;
+    let scratch = (base.block_len() as usize).max(k);
+    let fits = context.saturating_sub(1 + scratch + (k - 1));
+    if fits == 0 {
+        anyhow::bail!(
+            "the context of {context} tokens leaves no room for an answer (a serial block of {scratch} tokens is scratch): raise -c"
+        );
+    }
+    if asked as usize > fits {
+        eprintln!(
+            "note: max_tokens is limited to {fits}: --max-gen-length {asked} would not fit the context of {context} with a prompt (raise -c for more)"
+        );
+        return Ok(fits as u32);
+    }
+    Ok(asked)
 }
 
 /// `--host`: an address, or a name resolved now (`localhost`: its loopback address), as

@@ -124,6 +124,7 @@ impl Strategy for Autoregressive {
             forward_sizes: std::mem::take(&mut self.forward_sizes),
             eos_index,
             filled: None,
+            limit: self.p.answer_limit(),
         }
     }
 }

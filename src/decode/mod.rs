@@ -75,6 +75,9 @@ pub struct DecodeResult {
     pub eos_index: Option<usize>,
     /// A template's answer and gap fills ([`Kind::Infill`]).
     pub filled: Option<Filled>,
+    /// The most answer tokens (the gen length: slot decoding rounds it up to whole slots and
+    /// may write past it; the answer stops there, as `max_tokens` promises).
+    pub limit: usize,
 }
 
 impl DecodeResult {
@@ -83,7 +86,10 @@ impl DecodeResult {
     pub fn answer(&self) -> &[u32] {
         match &self.filled {
             Some(f) => &f.answer,
-            None => &self.tokens[..self.eos_index.unwrap_or(self.tokens.len())],
+            None => {
+                let end = self.eos_index.unwrap_or(self.tokens.len());
+                &self.tokens[..end.min(self.limit)]
+            }
         }
     }
 
@@ -102,7 +108,7 @@ impl DecodeResult {
     pub fn stopped(&self) -> bool {
         match &self.filled {
             Some(f) => f.gaps.iter().all(|g| g.eos),
-            None => self.eos_index.is_some(),
+            None => self.eos_index.is_some_and(|i| i <= self.limit),
         }
     }
 }

@@ -65,6 +65,15 @@ impl DecodeParams {
         }
     }
 
+    /// The most answer tokens a front end shows: the gen length (a template's fills are
+    /// bounded by their gaps instead).
+    pub fn answer_limit(&self) -> usize {
+        match self.strategy {
+            super::Kind::Infill => usize::MAX,
+            _ => self.gen_length as usize,
+        }
+    }
+
     /// Positions the answer takes after the prompt: the padded gen length, or a template's
     /// spans and padded gaps (saturating at u32::MAX for what [`Self::validate`] refuses).
     pub fn answer_len(&self) -> u32 {

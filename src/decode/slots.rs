@@ -488,6 +488,7 @@ impl Strategy for SlotDecoder {
             forward_sizes: std::mem::take(&mut self.forward_sizes),
             eos_index,
             filled,
+            limit: self.p.answer_limit(),
         }
     }
 }

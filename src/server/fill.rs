@@ -68,7 +68,7 @@ impl FillSpec {
         let gaps = t.gap_positions(params.slot_size);
         if gaps > max_gen as u64 {
             return Err(self.error(format!(
-                "template: its gaps hold {gaps} tokens together, more than this server's --max-gen-length {max_gen}"
+                "template: its gaps hold {gaps} tokens together, more than this server's max_tokens limit ({max_gen})"
             )));
         }
         let params = params.with_template(t);

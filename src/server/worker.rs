@@ -354,7 +354,8 @@ impl<'a> Ctx<'a> {
         } = job;
         let stops = knobs.stop.as_ref().map(|s| s.list()).unwrap_or_default();
         let mut answer = Answer {
-            stream: TextStream::new(tokenizer, prompt.len(), params.eos_id),
+            stream: TextStream::new(tokenizer, prompt.len(), params.eos_id)
+                .limit(params.answer_limit()),
             fills: params
                 .template
                 .is_some()
