@@ -375,10 +375,13 @@ fn golden_cases_through_the_server_at_once_with_token_id_prompts() {
                     let r = post(&base, "/v1/completions", &body);
                     let tokens = golden_ids(&c["tokens"]);
                     let eos = c["eos_id"].as_u64().unwrap() as u32;
+                    // Up to the first EOS, and at most max_tokens (the gen length, which
+                    // slot decoding rounds up to whole slots).
                     let end = tokens
                         .iter()
                         .position(|&t| t == eos)
-                        .unwrap_or(tokens.len());
+                        .unwrap_or(tokens.len())
+                        .min(c["gen_length"].as_u64().unwrap() as usize);
                     let want = tok.decode(&tokens[..end], true).unwrap();
                     (r["choices"][0]["text"].as_str().unwrap().to_string(), want)
                 })

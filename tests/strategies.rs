@@ -200,5 +200,8 @@ fn the_strategy_is_chosen_by_name_on_the_command_line() {
         "--strategy",
         "beam",
     ]);
-    assert_fails_with(&o, &["unknown strategy 'beam' (expected slots or ar)"]);
+    assert_fails_with(
+        &o,
+        &["unknown strategy 'beam' (expected slots, ar, infill)"],
+    );
 }

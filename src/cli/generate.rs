@@ -111,7 +111,7 @@ pub struct DecodeArgs {
     temperature: f64,
     /// How to decode: `slots` (ReFusion's slot decoding) or `ar` (plain left-to-right, one
     /// token per forward, to compare with on the same file).
-    #[arg(long, value_name = "slots|ar", value_parser = parse_strategy)]
+    #[arg(long, value_name = "slots|ar|infill", value_parser = parse_strategy)]
     strategy: Option<crate::decode::Kind>,
     /// Seed of the sampling noise (-1: a random one, printed).
     #[arg(short = 's', long, default_value_t = 0, allow_negative_numbers = true)]

@@ -139,7 +139,7 @@ mod tests {
         match with("beam").apply(&base(), 2048) {
             Err(RequestError::Field { field, message }) => {
                 assert_eq!(field, "strategy");
-                assert!(message.contains("expected slots or ar"), "{message}");
+                assert!(message.contains("expected slots, ar, infill"), "{message}");
             }
             other => panic!("{other:?}"),
         }

@@ -106,7 +106,7 @@ impl std::str::FromStr for Kind {
             .find(|k| k.name() == s)
             .ok_or_else(|| {
                 let names: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
-                format!("unknown strategy '{s}' (expected {})", names.join(" or "))
+                format!("unknown strategy '{s}' (expected {})", names.join(", "))
             })
     }
 }
