@@ -406,3 +406,20 @@ fn line_editing_and_history_on_a_terminal() {
     t.keys("/bye\r");
     assert!(t.child.wait().unwrap().success());
 }
+
+/// ollama's multi-line input: `"""` opens a message that goes on over lines until one ends
+/// with `"""`; a one-line `"""text"""` is a message too. Each is one turn.
+#[test]
+fn triple_quotes_make_one_message_of_several_lines() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let (_, err) = chat(
+        &model,
+        "\"\"\"A first line\n/not a command\nlast line\"\"\"\n\"\"\"one line\"\"\"\n/exit\n",
+    );
+    let turns = reuse(&err);
+    assert_eq!(turns.len(), 2, "{err}");
+    assert!(!err.contains("unknown command"), "{err}");
+    // The three lines are one prompt: longer than the one-line message's.
+    assert!(turns[0].1 > 12, "{turns:?}");
+}

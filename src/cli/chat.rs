@@ -141,6 +141,15 @@ pub fn run(a: ChatArgs) -> Result<()> {
                 continue;
             }
         };
+        // ollama's multi-line input: from a line starting with """ to one ending with it.
+        if line.trim_start().starts_with(QUOTES) {
+            if let Some(message) = multi_line(&line, &mut input_lines)? {
+                if !message.trim().is_empty() {
+                    chat.turn(&message)?;
+                }
+            }
+            continue;
+        }
         match chat.command(&line) {
             Flow::Quit => break,
             Flow::Next => continue,
@@ -148,6 +157,34 @@ pub fn run(a: ChatArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+const QUOTES: &str = "\"\"\"";
+
+/// A message typed over several lines, ollama's way: `first` starts with """, and lines are
+/// read until one ends with """ (or the input ends). `None`: Ctrl-C dropped it.
+fn multi_line(first: &str, input: &mut Input) -> Result<Option<String>> {
+    let mut text = first.trim_start()[QUOTES.len()..].to_string();
+    if let Some(done) = text.trim_end().strip_suffix(QUOTES) {
+        return Ok(Some(done.to_string()));
+    }
+    loop {
+        match input.read("... ")? {
+            Line::Text(l) => {
+                text.push('\n');
+                if let Some(last) = l.trim_end().strip_suffix(QUOTES) {
+                    text.push_str(last);
+                    return Ok(Some(text.trim_start_matches('\n').to_string()));
+                }
+                text.push_str(&l);
+            }
+            Line::Eof => return Ok(Some(text.trim_start_matches('\n').to_string())),
+            Line::Interrupted => {
+                eprintln!("(message dropped)");
+                return Ok(None);
+            }
+        }
+    }
 }
 
 /// A chat in the terminal: the session (its messages and cache) and what each turn needs.
