@@ -120,3 +120,34 @@ fn counts_agree_with_the_gen_length_and_each_other() {
     assert!(err.contains("tokens fed per call"), "{err}");
     assert!(err.contains("tokens committed per forward"), "{err}");
 }
+
+/// bench checks the context before its table: a test beyond the model's trained context (below
+/// the default) is refused citing that context, not a `-c` the user never gave.
+#[test]
+fn bench_checks_the_context_before_the_table() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("a.gguf");
+    convert_quiet(&fixture_model("pub-a"), &out, "f32");
+    let o = run(&[
+        "bench",
+        "-m",
+        out.to_str().unwrap(),
+        "-p",
+        "2000",
+        "-r",
+        "1",
+    ]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("more than the context of 2048 (the model's context"),
+        "{err}"
+    );
+    assert!(!err.contains("-c 4096"), "{err}");
+    assert!(
+        !stdout(&o).contains("| model"),
+        "the table started: {}",
+        stdout(&o)
+    );
+    assert!(!err.contains("| model"), "the table started: {err}");
+}

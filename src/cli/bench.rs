@@ -66,8 +66,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     super::set_threads(a.model.threads)?;
     let threads = rayon::current_num_threads();
     let opts = a.model.load_options(table)?;
-    a.check_context(opts.context)?;
+    // With -c, refused before loading; without it, once the model's context is known (its
+    // trained context may be below the default): either way before the table starts.
+    if let Some(c) = opts.context.filter(|&c| c > 0) {
+        a.check_context(c, &format!("-c {c}; raise -c"))?;
+    }
     let loaded = load(&opts)?;
+    a.check_context(loaded.context, "the model's context; raise with -c")?;
     let mut cache = loaded.new_cache(loaded.context)?;
     let rss = resident_bytes();
     let vocab = loaded.model.config().vocab as u32;
@@ -145,8 +150,9 @@ impl BenchArgs {
         Ok(self)
     }
 
-    /// Never more than the user set: a test that does not fit is refused, before loading.
-    fn check_context(&self, context: Option<usize>) -> Result<()> {
+    /// Never more than the context: a test that does not fit is refused before any is run
+    /// (`whence` says where the context comes from).
+    fn check_context(&self, context: usize, whence: &str) -> Result<()> {
         let (flag, largest) = self
             .n_tokens
             .iter()
@@ -154,10 +160,9 @@ impl BenchArgs {
             .chain(self.n_gen.iter().map(|&n| ("-n", n)))
             .max_by_key(|&(_, n)| n)
             .unwrap_or(("-p", 1));
-        let context = context.unwrap_or(crate::runtime::DEFAULT_CONTEXT);
-        if context != 0 && self.prefix + largest > context {
+        if self.prefix + largest > context {
             bail!(
-                "-d {} plus {flag} {largest} is {} tokens, more than the context (-c {context}); raise -c",
+                "-d {} plus {flag} {largest} is {} tokens, more than the context of {context} ({whence})",
                 self.prefix,
                 self.prefix + largest,
             );
