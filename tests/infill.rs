@@ -6,9 +6,7 @@
 
 mod common;
 
-use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use common::*;
@@ -16,7 +14,7 @@ use refusion::decode::{generate, DecodeParams, DecodeResult, Piece, Template};
 use refusion::gguf::GgufFile;
 use refusion::kv::CacheType;
 use refusion::model::Qwen3;
-use refusion::sched::{Request, Scheduler, Update};
+use refusion::sched::Scheduler;
 use serde_json::Value;
 
 fn goldens() -> Vec<Value> {
@@ -164,20 +162,9 @@ fn the_goldens_cover_what_the_issue_asks_for() {
     assert!(has(&|c| c["model"] == "refusion-tiny" && pieces(c).len() == 3) >= 8);
 }
 
-type Results = RefCell<HashMap<usize, DecodeResult>>;
+type Results = SchedResults;
 
-fn request<'a>(i: usize, prompt: Vec<u32>, params: DecodeParams, out: &'a Results) -> Request<'a> {
-    Request {
-        prompt,
-        params,
-        cancel: Arc::new(AtomicBool::new(false)),
-        sink: Box::new(move |u| {
-            if let Update::Finished(r) = u {
-                out.borrow_mut().insert(i, r.unwrap());
-            }
-        }),
-    }
-}
+use common::sched_request as request;
 
 /// Batch invariance: infill requests of one model beside each other and beside plain slot
 /// decoding of the same prompts, 1, 3 and 8 at a time, each gives what it gives alone.

@@ -5,17 +5,14 @@
 
 mod common;
 
-use std::cell::RefCell;
-use std::collections::HashMap;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use common::*;
-use refusion::decode::{argmax, generate, DecodeParams, DecodeResult, Kind};
+use refusion::decode::{argmax, generate, DecodeParams, Kind};
 use refusion::gguf::GgufFile;
 use refusion::kv::{CacheType, KvCache};
 use refusion::model::{Batch, Forward, LogitsFor, Qwen3};
-use refusion::sched::{Request, Scheduler, Update};
+use refusion::sched::Scheduler;
 
 fn model(dir: &std::path::Path, name: &str) -> Qwen3 {
     let out = dir.join(format!("{name}.gguf"));
@@ -86,20 +83,9 @@ fn left_to_right_decoding_is_greedy_decoding_exactly() {
     }
 }
 
-type Results = RefCell<HashMap<usize, DecodeResult>>;
+type Results = SchedResults;
 
-fn request<'a>(i: usize, prompt: Vec<u32>, params: DecodeParams, out: &'a Results) -> Request<'a> {
-    Request {
-        prompt,
-        params,
-        cancel: Arc::new(AtomicBool::new(false)),
-        sink: Box::new(move |u| {
-            if let Update::Finished(r) = u {
-                out.borrow_mut().insert(i, r.unwrap());
-            }
-        }),
-    }
-}
+use common::sched_request as request;
 
 /// Left-to-right requests beside slot-decoding golden cases in one scheduler: each gives what
 /// it gives alone, and a shared prompt (fully cached for the second request) changes nothing.

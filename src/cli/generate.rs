@@ -109,8 +109,9 @@ pub struct DecodeArgs {
     /// Temperature of the planning drafts (0: greedy).
     #[arg(long = "temp", default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f64,
-    /// How to decode: `slots` (ReFusion's slot decoding) or `ar` (plain left-to-right, one
-    /// token per forward, to compare with on the same file).
+    /// How to decode: `slots` (ReFusion's slot decoding), `ar` (plain left-to-right, one
+    /// token per forward, to compare with on the same file) or `infill` (gaps; chosen by
+    /// --template/--suffix).
     #[arg(long, value_name = "slots|ar|infill", value_parser = parse_strategy)]
     strategy: Option<crate::decode::Kind>,
     /// Seed of the sampling noise (-1: a random one, printed).

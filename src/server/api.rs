@@ -154,7 +154,7 @@ pub struct Knobs {
     pub serial_blocks: Option<u32>,
     pub slot_threshold: Option<f32>,
     pub token_threshold: Option<f32>,
-    /// `slots` (the default) or `ar`.
+    /// `slots` (the default), `ar` or `infill`.
     pub strategy: Option<String>,
 }
 

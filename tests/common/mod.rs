@@ -472,3 +472,26 @@ pub fn golden_params(case: &Json) -> refusion::decode::DecodeParams {
         ..refusion::decode::DecodeParams::new(Default::default(), n("eos_id"), n("mask_id"))
     }
 }
+
+/// Results of scheduler requests by index (`sched_request`'s sink fills it).
+pub type SchedResults =
+    std::cell::RefCell<std::collections::HashMap<usize, refusion::decode::DecodeResult>>;
+
+/// A scheduler request whose result lands in `out` under `i`.
+pub fn sched_request<'a>(
+    i: usize,
+    prompt: Vec<u32>,
+    params: refusion::decode::DecodeParams,
+    out: &'a SchedResults,
+) -> refusion::sched::Request<'a> {
+    refusion::sched::Request {
+        prompt,
+        params,
+        cancel: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        sink: Box::new(move |u| {
+            if let refusion::sched::Update::Finished(r) = u {
+                out.borrow_mut().insert(i, r.unwrap());
+            }
+        }),
+    }
+}
