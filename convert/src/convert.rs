@@ -256,7 +256,8 @@ impl Checkpoint {
                 .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
                 .unwrap_or_else(|| "model".to_string())
         });
-        let metadata = metadata(cfg, &self.vocab, &name, opts)?;
+        let mut metadata = metadata(cfg, &self.vocab, &name, opts)?;
+        metadata.extend(crate::grow::eval_metadata(&self.dir)?);
         Ok(Plan {
             jobs,
             metadata,

@@ -2,6 +2,7 @@
 //! checkpoint, choosing per-tensor types, quantizing, and writing the file atomically.
 
 pub mod convert;
+pub mod grow;
 pub mod hf;
 pub mod info;
 pub mod mix;

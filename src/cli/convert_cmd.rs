@@ -66,6 +66,11 @@ pub struct ConvertArgs {
     /// for benchmarks; the tokenizer comes from --tokenizer-dir.
     #[arg(long, value_name = "SHAPE", conflicts_with = "hf_dir")]
     synthetic: Option<String>,
+    /// With --synthetic: instead of random weights, this trained checkpoint folder grown to the
+    /// shape so that it computes the same function (its tokenizer, padded to ReFusion's 151,671
+    /// tokens, and its held-out questions for `bench --decode`).
+    #[arg(long, value_name = "DIR", requires = "synthetic")]
+    grow_from: Option<PathBuf>,
     /// Tokenizer folder for --synthetic (default: the ReFusion tokenizer in this repository).
     #[arg(long, value_name = "DIR", default_value = super::demo::TOKENIZER_DIR, requires = "synthetic")]
     tokenizer_dir: PathBuf,
@@ -168,6 +173,7 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
         opts.name = repo.as_ref().map(|r| r.name().to_string());
     }
     let stem = match (&a.hf_dir, &a.synthetic, &repo) {
+        (_, Some(shape), _) if a.grow_from.is_some() => format!("grown-{shape}"),
         (_, Some(shape), _) => format!("synthetic-{shape}"),
         (_, None, Some(r)) => r.name().to_string(),
         (Some(dir), None, None) => dir
@@ -184,7 +190,15 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
     let summary = match (&a.hf_dir, &a.synthetic, &repo) {
         (_, Some(shape), _) => {
             let cfg = refusion_convert::synthetic::shape(shape)?;
-            refusion_convert::synthetic::write_synthetic(&outfile, &cfg, &a.tokenizer_dir, &opts)?
+            match &a.grow_from {
+                Some(dir) => refusion_convert::grow::write_grown(&outfile, &cfg, dir, &opts)?,
+                None => refusion_convert::synthetic::write_synthetic(
+                    &outfile,
+                    &cfg,
+                    &a.tokenizer_dir,
+                    &opts,
+                )?,
+            }
         }
         (_, None, Some(r)) => {
             // The output's folder is checked before gigabytes are downloaded.
