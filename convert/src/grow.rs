@@ -263,7 +263,11 @@ fn check_fits(small: &Qwen3Config, large: &Qwen3Config) -> Result<()> {
         )));
     }
     let ratio = large.head_dim / small.head_dim.max(1);
-    if small.head_dim % 2 != 0 || large.head_dim % small.head_dim != 0 || ratio < 2 {
+    if small.head_dim == 0
+        || !small.head_dim.is_multiple_of(2)
+        || !large.head_dim.is_multiple_of(small.head_dim)
+        || ratio < 2
+    {
         return Err(Error::usage(format!(
             "--grow-from: the target head size ({}) must be at least twice the checkpoint's ({}) and a multiple of it",
             large.head_dim, small.head_dim

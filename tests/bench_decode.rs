@@ -1,0 +1,94 @@
+//! `refusion bench --decode`: the decoder end to end over the file's held-out questions (or
+//! token-id prompts), one row per setting.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+
+fn bench_json(model: &str, prompts: &str, extra: &[&str]) -> Vec<Value> {
+    let mut args = vec!["bench", "-m", model, "-o", "json", "--prompts", prompts];
+    args.extend(extra);
+    let o = run(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    serde_json::from_str::<Value>(&stdout(&o))
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn decode_rows_report_speed_tpf_forwards_and_accuracy_on_the_held_out_questions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = tmp.path().join("tiny.gguf");
+    convert_quiet(&fixtures().join("../../models/refusion-tiny"), &f, "q8_0");
+    let rows = bench_json(f.to_str().unwrap(), "4", &["--decode", "card,ar"]);
+    assert_eq!(rows.len(), 2);
+    let (card, ar) = (&rows[0], &rows[1]);
+    assert!(
+        card["test"]
+            .as_str()
+            .unwrap()
+            .starts_with("decode card k4 b32"),
+        "{card}"
+    );
+    assert_eq!(card["prompts"], 4);
+    // Slot decoding commits several tokens per forward; left to right exactly one.
+    assert!(card["tpf"].as_f64().unwrap() > 2.0, "{card}");
+    assert_eq!(ar["tpf"].as_f64().unwrap(), 1.0, "{ar}");
+    for r in &rows {
+        let sizes: u64 = r["forward_sizes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_u64().unwrap())
+            .sum();
+        let forwards = r["forwards"].as_f64().unwrap();
+        assert_eq!(
+            r["forward_sizes"].as_array().unwrap().len() as f64,
+            forwards
+        );
+        let fed = r["fed_per_forward"].as_f64().unwrap();
+        assert!((fed * forwards - sizes as f64).abs() < 1e-6, "{r}");
+        assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
+        // The trained model answers its held-out arithmetic (4 of the 200, one of each kind).
+        assert!(r["accuracy"].as_f64().unwrap() >= 0.5, "{r}");
+    }
+}
+
+#[test]
+fn decode_without_questions_uses_token_prompts_and_reports_no_accuracy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let rows = bench_json(model.to_str().unwrap(), "1", &["--decode", "gsm8k"]);
+    assert_eq!(rows.len(), 1);
+    assert!(rows[0]["accuracy"].is_null(), "{}", rows[0]);
+    assert!(rows[0]["test"].as_str().unwrap().contains("k32 b4"));
+    let o = run(&[
+        "bench",
+        "-m",
+        model.to_str().unwrap(),
+        "--decode",
+        "--prompts",
+        "1",
+        "-o",
+        "csv",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).lines().count(), 2, "{}", stdout(&o));
+}
+
+#[test]
+fn decode_refuses_unknown_settings_and_forward_tests_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let m = model.to_str().unwrap();
+    let o = run(&["bench", "-m", m, "--decode", "card,gsm9k"]);
+    assert_fails_with(&o, &["unknown setting 'gsm9k'", "gsm8k"]);
+    assert!(!stderr(&o).contains("loaded"), "{}", stderr(&o));
+    let o = run(&["bench", "-m", m, "--decode", "-p", "16"]);
+    assert_fails_with(&o, &["--decode", "--n-prompt"]);
+    let o = run(&["bench", "-m", m, "--decode", "--prompts", "0"]);
+    assert_fails_with(&o, &["--prompts"]);
+}
