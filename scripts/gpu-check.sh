@@ -2,14 +2,14 @@
 # The GPU proof in one prepared run, side by side with llama.cpp's own CUDA build, and one table:
 #   1. the golden cases at f32 on the GPU (public: all layers and one layer in small chunks;
 #      the trained tiny model's: all layers), exact tokens;
-#   2. forward throughput of an 8B-shaped Q4_K_M file (`convert --synthetic 8b`): refusion
+#   2. forward throughput of an 8B-shaped Q4_K_M file (`convert --synthetic 8b --grow-from
+#      models/refusion-tiny`: the trained tiny model grown to the 8B shape): refusion
 #      `bench` against `llama-bench` (-fa 0 and 1, the faster) at 1/16/32/64/512 new tokens over
 #      a 256-entry cache, every layer on the GPU and half of them (-ngl 18), with the peak VRAM
 #      each used;
-#   3. a 128-token ReFusion decode against `llama-bench -n 128` (llama.cpp's autoregressive
-#      decode), and the break-even TPF from the measured costs: ReFusion's decode is faster when
-#      it commits more tokens per forward than that (random weights commit 0.5; the trained tiny
-#      model's decode at the card's settings, also run here, shows a real TPF);
+#   3. ReFusion's real decode on that file (`bench --decode card,gsm8k`: 8 of the grown model's
+#      held-out questions, committed tokens/s, TPF, accuracy) against `llama-bench -n 128`
+#      (llama.cpp's autoregressive decode), and the break-even TPF from the measured costs;
 #   4. the device: GPU, driver, CUDA, and the libraries each binary resolved to.
 #
 # usage: scripts/gpu-check.sh               check, with binaries built ahead (or build them)
@@ -198,10 +198,10 @@ else
 fi
 
 # 2. Forward throughput, Q4_K_M, all layers and half of them.
-model=$out/qwen3-$shape-q4_k_m.gguf
+model=$out/grown-$shape-q4_k_m.gguf
 if [ ! -s "$model" ]; then
-    timeout "$step_timeout" "$bin" convert --synthetic "$shape" --outtype q4_k_m -o "$model" -q \
-        --tokenizer-dir "$repo/tests/fixtures/tokenizers/refusion" || { failed=1; add "$shape file" "" "FAILED to write" "" ""; }
+    timeout "$step_timeout" "$bin" convert --synthetic "$shape" --grow-from "$repo/models/refusion-tiny" \
+        --outtype q4_k_m -o "$model" -q || { failed=1; add "$shape file" "" "FAILED to write" "" ""; }
 fi
 layers=$("$bin" info "$model" 2>/dev/null | grep -o 'block_count[^0-9]*[0-9]*' | grep -o '[0-9]*$')
 half=$(( ${layers:-36} / 2 ))
@@ -247,28 +247,33 @@ if [ -s "$model" ]; then
         done
     done
 
-    # 3. A 128-token decode against llama.cpp's autoregressive decode.
-    if run_measured timeout "$step_timeout" "$bin" generate -m "$model" --device "$device" -ngl all -n 128 \
-        --slot-size 4 --serial-blocks 8 -p "Write a short story about a lighthouse." --json \
-        >"$out/decode.json" 2>"$out/decode.log"; then
+    # 3. ReFusion's decode of the grown model's held-out questions against llama.cpp's
+    # autoregressive decode of the same file.
+    if run_measured timeout "$step_timeout" "$bin" bench -m "$model" --device "$device" -ngl all \
+        --decode card,gsm8k --prompts 8 -o jsonl >"$out/decode.jsonl" 2>"$out/decode.log"; then
         dec_vram=$(mib)
-        read -r tps tpf ms_fwd <<<"$(python3 -c '
-import json, sys
-j = json.load(open(sys.argv[1]))
-print(j["timings"]["tokens_per_s"], j["tpf"], j["timings"]["generate_ms"] / j["forward_calls"])' "$out/decode.json")"
     else
-        failed=1; tps=0; tpf=0; ms_fwd=0; dec_vram="FAILED: $(tail -1 "$out/decode.log")"
+        failed=1; dec_vram="FAILED: $(tail -1 "$out/decode.log")"
     fi
     run_measured timeout "$step_timeout" "$llama" -m "$model" -ngl 99 -p 0 -n 128 -fa 0,1 -r 3 -o jsonl \
         >"$out/llama-tg.jsonl" 2>"$out/llama-tg.log" || failed=1
     llama_tg_vram=$(mib)
     read -r ltg lfa <<<"$(llama_best "$out/llama-tg.jsonl" 0 128)"
+    ms_fwd=0
+    while read -r test tps tpf acc ms; do
+        [ -n "$test" ] || continue
+        ms_fwd=$ms
+        ratio=$(awk -v a="$tps" -v b="$ltg" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }')
+        add "decode $shape Q4_K_M (grown, trained), -ngl all" "$test, 8 questions" \
+            "$tps t/s, TPF $tpf, acc $acc ($dec_vram)" "$ltg tg128 (fa $lfa; $llama_tg_vram)" "$ratio"
+    done <<<"$(python3 -c '
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    ms = 1000 * r["seconds"] / max(r["forwards"], 1)
+    print(r["test"].split()[1], "%.1f" % r["tokens_per_s"], "%.2f" % r["tpf"], "%.0f%%" % (100 * (r["accuracy"] or 0)), "%.1f" % ms)' "$out/decode.jsonl" 2>/dev/null)"
     even=$(awk -v m="$ms_fwd" -v l="$ltg" 'BEGIN { printf "%.2f", m * l / 1000 }')
-    ratio=$(awk -v a="$tps" -v b="$ltg" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }')
-    add "decode $shape Q4_K_M, 128 tokens, -ngl all" "k 4, 8 blocks (random weights)" \
-        "$(printf '%.1f' "$tps") t/s, TPF $tpf, $(printf '%.1f' "$ms_fwd") ms/forward ($dec_vram)" \
-        "$ltg tg128 (fa $lfa; $llama_tg_vram)" "$ratio"
-    add "break-even TPF" "ms per forward x llama.cpp t/s" "$even" "" ""
+    add "break-even TPF" "ms per forward (gsm8k) x llama.cpp t/s" "$even" "" ""
 fi
 # The trained tiny model on the device: a real TPF at the card's settings.
 tiny=$out/refusion-tiny-q4_k_m.gguf

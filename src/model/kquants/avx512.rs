@@ -12,16 +12,23 @@ use std::arch::x86_64::*;
 /// Activation rows per pass over a run's tiles.
 const TILE_MT: usize = 8;
 
-/// Run `run` of `w` (16 rows, the last one padded) against every activation row, into
+/// Run `run` of `w` (16 rows, the last one padded) against activation rows `from..m`, into
 /// `out` (`m x w.rows`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(super) unsafe fn run(w: &PackedMatrix, acts: &[Q8K], m: usize, run: usize, out: &mut [f32]) {
+pub(super) unsafe fn run(
+    w: &PackedMatrix,
+    acts: &[Q8K],
+    m: usize,
+    from: usize,
+    run: usize,
+    out: &mut [f32],
+) {
     let kb = w.k / QK;
     let r0 = run * ROWS_PER_UNIT;
     let valid = (w.rows - r0).min(ROWS_PER_UNIT);
     let tiles = w.run_tiles(run);
     let tile_bytes = w.kind.tile_bytes();
-    let mut t0 = 0;
+    let mut t0 = from;
     while t0 < m {
         let mt = (m - t0).min(TILE_MT);
         let a = &acts[t0 * kb..(t0 + mt) * kb];

@@ -26,6 +26,8 @@
 
 mod acts;
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -75,6 +77,10 @@ pub enum CpuPath {
     AvxVnni,
     /// AVX-512 F/BW/VL/VNNI.
     Avx512,
+    /// AVX-512 VNNI with AMX-INT8 tiles for Q4_K and Q6_K products of 16 activation rows and
+    /// more (Intel Sapphire Rapids and later; Linux grants the tile state on request). Only on
+    /// request: see [`CpuPath::detect`].
+    Amx,
     /// aarch64 NEON (every 64-bit ARM CPU).
     Neon,
     /// NEON with the `dotprod` extension's `sdot` (ARMv8.2+: Apple, Graviton 2+, recent
@@ -84,11 +90,12 @@ pub enum CpuPath {
 
 impl CpuPath {
     /// Every path, each architecture's lowest first (so the last one a CPU runs is its best).
-    const ALL: [CpuPath; 6] = [
+    const ALL: [CpuPath; 7] = [
         CpuPath::Generic,
         CpuPath::Avx2,
         CpuPath::AvxVnni,
         CpuPath::Avx512,
+        CpuPath::Amx,
         CpuPath::Neon,
         CpuPath::NeonDot,
     ];
@@ -100,17 +107,20 @@ impl CpuPath {
             CpuPath::Avx2 => "avx2",
             CpuPath::AvxVnni => "avxvnni",
             CpuPath::Avx512 => "avx512",
+            CpuPath::Amx => "amx",
             CpuPath::Neon => "neon",
             CpuPath::NeonDot => "neondot",
         }
     }
 
-    /// The best path this CPU can run.
+    /// The best path this CPU can run. AMX only when asked for (`REFUSION_CPU=amx`): on the
+    /// development machine its products are still slower than AVX-512 VNNI's (one tile store
+    /// per 32-value chunk, for the per-chunk scales; docs/cpu-kernels.md).
     pub fn detect() -> CpuPath {
         CpuPath::ALL
             .into_iter()
             .rev()
-            .find(|p| p.runs())
+            .find(|p| p.runs() && *p != CpuPath::Amx)
             .unwrap_or(CpuPath::Generic)
     }
 
@@ -121,6 +131,7 @@ impl CpuPath {
             CpuPath::Avx2 => x86_has(&[]),
             CpuPath::AvxVnni => x86_has(&["avxvnni"]),
             CpuPath::Avx512 => x86_has(&["avx512f", "avx512bw", "avx512vl", "avx512vnni"]),
+            CpuPath::Amx => CpuPath::Avx512.runs() && amx_usable(),
             CpuPath::Neon => cfg!(target_arch = "aarch64"),
             CpuPath::NeonDot => arm_dotprod(),
         }
@@ -186,6 +197,14 @@ fn x86_has(more: &[&str]) -> bool {
         let _ = more;
         false
     }
+}
+
+/// Whether AMX-INT8 is there and granted (x86-64 only).
+fn amx_usable() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return amx::usable();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Whether this is an aarch64 CPU with the `dotprod` extension.
@@ -291,7 +310,8 @@ impl PackedMatrix {
         {
             use rayon::prelude::*;
             // AVX-512's packer does Q4_K and Q6_K; the portable one writes the same bytes.
-            let wide = path() == CpuPath::Avx512 && matches!(kind, Packed::Q4K | Packed::Q6K);
+            let wide = matches!(path(), CpuPath::Avx512 | CpuPath::Amx)
+                && matches!(kind, Packed::Q4K | Packed::Q6K);
             // Packed on all cores, into memory not zeroed first: every byte is written.
             tiles.spare_capacity_mut()[..n]
                 .par_chunks_mut(lines)
@@ -304,7 +324,7 @@ impl PackedMatrix {
                         (&padded[..], 0)
                     };
                     // SAFETY: a tile is `lines` 64-byte lines, all written by either packer
-                    // (the same bytes); AVX-512's only when `path()` is Avx512, which only a
+                    // (the same bytes); AVX-512's only when `path()` is Avx512 or Amx, which only a
                     // CPU with those features gets.
                     unsafe {
                         let bytes = std::slice::from_raw_parts_mut(
@@ -428,7 +448,16 @@ unsafe fn run_unit(
 ) {
     match path {
         #[cfg(target_arch = "x86_64")]
-        CpuPath::Avx512 => avx512::run(w, acts, m, run, out),
+        CpuPath::Avx512 => avx512::run(w, acts, m, 0, run, out),
+        #[cfg(target_arch = "x86_64")]
+        CpuPath::Amx => {
+            // Whole pieces of 16 activation rows on the tiles, the rest on AVX-512.
+            let pieces = if amx::has_kernel(w) { m / amx::ROWS } else { 0 };
+            if pieces > 0 {
+                amx::run_pieces(w, acts, pieces, run, out);
+            }
+            avx512::run(w, acts, m, pieces * amx::ROWS, run, out)
+        }
         #[cfg(target_arch = "x86_64")]
         CpuPath::AvxVnni => avx2::run_vnni(w, acts, m, run, out),
         #[cfg(target_arch = "x86_64")]

@@ -118,8 +118,9 @@ fn every_type_matches_the_dequantized_product() {
         return;
     }
     for ty in TYPES {
-        // 37 rows: two packed runs and a 5-row tail; 1..9 tokens: every tile width.
-        for m in [1, 2, 3, 4, 5, 9] {
+        // 37 rows: two packed runs and a 5-row tail; 1..9 tokens: every tile width; 16 and
+        // more: AMX's pieces of 16, alone and with a tail.
+        for m in [1, 2, 3, 4, 5, 9, 16, 35] {
             check(ty, 37, 512, m);
         }
         check(ty, 16, 2048, 4);
@@ -239,6 +240,37 @@ fn a_tokens_product_does_not_depend_on_the_batch() {
                         "{path:?} {ty}: token {t} in a batch of {m} differs from alone"
                     );
                 }
+            }
+        }
+    }
+}
+
+/// Time of one product per path (`cargo test --release --lib kquants::tests::timing -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn timing() {
+    let (rows, k) = (3072, 1024);
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        let mut seed = 9;
+        let wf: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
+        let mut data = vec![0u8; rows * k / QK * Packed::of(ty).unwrap().block_bytes()];
+        quant::quantize(ty, &wf, k, &mut data);
+        let w = PackedMatrix::pack(ty, rows, k, &data);
+        for m in [16, 128] {
+            let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+            let mut out = vec![0f32; m * rows];
+            for path in paths() {
+                matmul_on(path, &[&w], &x, m, &mut [&mut out[..]]);
+                let t = std::time::Instant::now();
+                for _ in 0..20 {
+                    matmul_on(path, &[&w], &x, m, &mut [&mut out[..]]);
+                }
+                let dt = t.elapsed().as_secs_f64() / 20.0;
+                println!(
+                    "{ty} m {m} {path:?}: {:.3} ms, {:.0} GMAC/s",
+                    dt * 1e3,
+                    (rows * k * m) as f64 / dt / 1e9
+                );
             }
         }
     }
