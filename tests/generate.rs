@@ -344,6 +344,9 @@ fn bench_output_formats_and_generation_tests() {
     let rows = json.as_array().unwrap();
     assert_eq!(rows.len(), 2);
     assert_eq!(rows[1]["test"], "tg3 @ d8");
+    // The model columns CSV has, as llama-bench's JSON has them.
+    assert!(rows[0]["model"].as_str().is_some() && rows[0]["size"].as_u64().unwrap() > 0);
+    assert!(rows[0]["params"].as_u64().unwrap() > 0);
     assert!(rows
         .iter()
         .all(|r| r["tokens_per_s"].as_f64().unwrap() > 0.0));

@@ -42,6 +42,7 @@ impl<'t> Output<'t> {
             canvas: Canvas {
                 prompt_len: prompt.len() as u32,
                 cells: vec![(' ', String::new()); gen],
+                color: !no_color(),
             },
             tok,
             stdout: std::io::stdout(),
@@ -216,10 +217,18 @@ pub(super) fn gaps_json(
     Ok(Some(serde_json::Value::Array(gaps)))
 }
 
+/// Whether `NO_COLOR` asks for no colors (<https://no-color.org>: set and not empty).
+pub(super) fn no_color() -> bool {
+    std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty())
+}
+
 /// The `--visual` canvas: one cell per generated position.
 pub(super) struct Canvas {
     prompt_len: u32,
     cells: Vec<(char, String)>,
+    /// ANSI colors for verified and drafted tokens; without them (`NO_COLOR`), verified
+    /// tokens are shown plain and drafted ones in brackets.
+    color: bool,
 }
 
 impl Canvas {
@@ -235,16 +244,19 @@ impl Canvas {
         let mut s = String::from("\x1b[2J\x1b[H");
         for (state, text) in &self.cells {
             let shown = text.replace('\n', "⏎");
-            match state {
-                'C' => s.push_str(&shown),
-                'V' => s.push_str(&format!("\x1b[32m{shown}\x1b[0m")),
-                'D' => s.push_str(&format!("\x1b[2m{shown}\x1b[0m")),
+            match (state, self.color) {
+                ('C', _) | ('V', false) => s.push_str(&shown),
+                ('V', true) => s.push_str(&format!("\x1b[32m{shown}\x1b[0m")),
+                ('D', true) => s.push_str(&format!("\x1b[2m{shown}\x1b[0m")),
+                ('D', false) => s.push_str(&format!("[{shown}]")),
                 _ => s.push('░'),
             }
         }
-        s.push_str(
-            "\n\n\x1b[0mcommitted  \x1b[32mverified\x1b[0m  \x1b[2mdrafted\x1b[0m  ░ masked\n",
-        );
+        s.push_str(if self.color {
+            "\n\n\x1b[0mcommitted  \x1b[32mverified\x1b[0m  \x1b[2mdrafted\x1b[0m  ░ masked\n"
+        } else {
+            "\n\ncommitted or verified  [drafted]  ░ masked\n"
+        });
         let _ = out.write_all(s.as_bytes());
         let _ = out.flush();
     }
@@ -253,4 +265,34 @@ impl Canvas {
 /// An f32 as the f64 with the same shortest decimal form (0.6, not 0.6000000238).
 pub(super) fn as_f64(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(x as f64)
+}
+
+#[cfg(test)]
+mod canvas_tests {
+    use super::Canvas;
+
+    fn drawn(color: bool) -> String {
+        let mut c = Canvas {
+            prompt_len: 2,
+            cells: vec![(' ', String::new()); 3],
+            color,
+        };
+        c.set(2, 'C', "a".into());
+        c.set(3, 'V', "b".into());
+        c.set(4, 'D', "c".into());
+        let mut out = Vec::new();
+        c.draw(&mut out);
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn no_color_draws_without_color_codes() {
+        let plain = drawn(false);
+        assert!(
+            !plain.contains("\x1b[3") && !plain.contains("\x1b[2m"),
+            "{plain:?}"
+        );
+        assert!(plain.contains("ab[c]"), "{plain:?}");
+        assert!(drawn(true).contains("\x1b[32mb"));
+    }
 }

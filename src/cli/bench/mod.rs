@@ -267,8 +267,15 @@ impl ModelLine {
         )
     }
 
+    /// A forward test as JSON, with the model columns CSV has (llama-bench's JSON has them).
     fn json(&self, row: &Row, prefix: usize) -> serde_json::Value {
-        row_json(row, prefix, self.threads, &self.backend, self.kernels)
+        let mut v = row_json(row, prefix, self.threads, &self.backend, self.kernels);
+        if let Some(o) = v.as_object_mut() {
+            o.insert("model".into(), self.model.clone().into());
+            o.insert("size".into(), self.size.into());
+            o.insert("params".into(), self.params.into());
+        }
+        v
     }
 
     fn csv(&self, r: &Row, prefix: usize) -> String {
