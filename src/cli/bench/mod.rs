@@ -352,22 +352,35 @@ fn time_generation(
     Ok(times)
 }
 
-/// The median rate, and the spread of the runs' rates (llama-bench's `avg ± sd`).
+/// The median rate, and the spread of the timed repetitions (after the warm-up): their
+/// times' standard deviation relative to their mean, on the median rate. (The spread of the
+/// runs' own rates blew up on one fast outlier: 2718 ± 4707.)
 fn summarize(test: String, n: usize, gen: bool, mut times: Vec<f64>) -> Row {
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
-    let rates: Vec<f64> = times.iter().map(|t| n as f64 / t).collect();
-    let mean = rates.iter().sum::<f64>() / rates.len() as f64;
-    let sd = (rates.iter().map(|r| (r - mean).powi(2)).sum::<f64>()
-        / rates.len().max(2).saturating_sub(1) as f64)
-        .sqrt();
+    let rate = n as f64 / median;
+    let sd = rate * relative_spread(&times);
     let forwards = if gen { n } else { 1 };
     Row {
         test,
         n,
-        tokens_per_s: n as f64 / median,
+        tokens_per_s: rate,
         sd,
         ms_per_forward: median * 1e3 / forwards as f64,
+    }
+}
+
+/// Standard deviation over mean (0 for one value).
+fn relative_spread(times: &[f64]) -> f64 {
+    if times.len() < 2 {
+        return 0.0;
+    }
+    let mean = times.iter().sum::<f64>() / times.len() as f64;
+    let var = times.iter().map(|t| (t - mean).powi(2)).sum::<f64>() / (times.len() - 1) as f64;
+    if mean > 0.0 {
+        var.sqrt() / mean
+    } else {
+        0.0
     }
 }
 
@@ -534,5 +547,24 @@ impl ModelLine {
             max,
             r.accuracy().map(|a| format!("{a:.4}")).unwrap_or_default(),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::summarize;
+
+    #[test]
+    fn one_fast_outlier_does_not_make_the_spread_larger_than_the_rate() {
+        let r = summarize(
+            "pp16".into(),
+            16,
+            false,
+            vec![0.010, 0.011, 0.0001, 0.010, 0.012],
+        );
+        assert!((r.tokens_per_s - 1600.0).abs() < 1e-6, "{}", r.tokens_per_s);
+        assert!(r.sd < r.tokens_per_s, "{} ± {}", r.tokens_per_s, r.sd);
+        let steady = summarize("pp16".into(), 16, false, vec![0.010; 5]);
+        assert_eq!(steady.sd, 0.0);
     }
 }
