@@ -254,6 +254,7 @@ if [ -s "$model" ]; then
         dec_vram=$(mib)
     else
         failed=1; dec_vram="FAILED: $(tail -1 "$out/decode.log")"
+        add "decode $shape Q4_K_M (grown, trained), -ngl all" "card, gsm8k" "$dec_vram" "" ""
     fi
     run_measured timeout "$step_timeout" "$llama" -m "$model" -ngl 99 -p 0 -n 128 -fa 0,1 -r 3 -o jsonl \
         >"$out/llama-tg.jsonl" 2>"$out/llama-tg.log" || failed=1

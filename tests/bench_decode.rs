@@ -89,6 +89,9 @@ fn decode_refuses_unknown_settings_and_forward_tests_by_name() {
     assert!(!stderr(&o).contains("loaded"), "{}", stderr(&o));
     let o = run(&["bench", "-m", m, "--decode", "-p", "16"]);
     assert_fails_with(&o, &["--decode", "--n-prompt"]);
+    // Forward-test knobs mean nothing to a decode: refused, not ignored.
+    let o = run(&["bench", "-m", m, "--decode", "-r", "3"]);
+    assert_fails_with(&o, &["--decode", "--repetitions"]);
     let o = run(&["bench", "-m", m, "--decode", "--prompts", "0"]);
     assert_fails_with(&o, &["--prompts"]);
 }

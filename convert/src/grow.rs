@@ -125,13 +125,15 @@ impl Growth {
         Axis(axis)
     }
 
-    fn q_axis(&self) -> Axis {
+    /// The q heads (`rotary`: on their rotary pairs), or the attention output's axis, whose
+    /// values are not rotated.
+    fn q_axis(&self, rotary: bool) -> Axis {
         let (s, l) = (&self.small, &self.large);
         self.heads(
             s.num_attention_heads,
             l.num_attention_heads,
             |h| self.q_head(h),
-            |i| self.rope_dim(i),
+            |i| if rotary { self.rope_dim(i) } else { i },
         )
     }
 
@@ -145,17 +147,6 @@ impl Growth {
         )
     }
 
-    /// The attention output's axis (values are not rotated).
-    fn attn_out_axis(&self) -> Axis {
-        let (s, l) = (&self.small, &self.large);
-        self.heads(
-            s.num_attention_heads,
-            l.num_attention_heads,
-            |h| self.q_head(h),
-            |i| i,
-        )
-    }
-
     fn hidden_axis(&self) -> Axis {
         Axis::prefix(self.small.hidden_size, self.large.hidden_size)
     }
@@ -164,8 +155,8 @@ impl Growth {
         Axis::prefix(self.small.intermediate_size, self.large.intermediate_size)
     }
 
-    /// How large tensor `gguf` (of layer `layer`, if any) is made: the small tensor it copies
-    /// (`None`: all zero), its row and column axes, its scale and constant entries.
+    /// How large tensor `gguf` is made: its row and column axes over the small tensor (none:
+    /// all zero, an extra layer), its scale and constant entries.
     fn recipe(&self, gguf: &str) -> Recipe {
         let layer = names::layer_of(gguf);
         // `blk.N.attn_q.weight` → `attn_q.weight`; other names as they are.
@@ -188,10 +179,10 @@ impl Growth {
                 self.rope_head_axis(),
                 1.0 / (self.head_ratio as f32).sqrt(),
             ),
-            "attn_q.weight" => (self.q_axis(), self.hidden_axis(), 1.0),
+            "attn_q.weight" => (self.q_axis(true), self.hidden_axis(), 1.0),
             "attn_k.weight" => (self.kv_axis(true), self.hidden_axis(), 1.0),
             "attn_v.weight" => (self.kv_axis(false), self.hidden_axis(), 1.0),
-            "attn_output.weight" => (self.hidden_axis(), self.attn_out_axis(), s),
+            "attn_output.weight" => (self.hidden_axis(), self.q_axis(false), s),
             "ffn_gate.weight" | "ffn_up.weight" => (self.ffn_axis(), self.hidden_axis(), 1.0),
             "ffn_down.weight" => (self.hidden_axis(), self.ffn_axis(), s),
             "token_embd.weight" => {

@@ -72,7 +72,7 @@ pub struct ConvertArgs {
     #[arg(long, value_name = "DIR", requires = "synthetic")]
     grow_from: Option<PathBuf>,
     /// Tokenizer folder for --synthetic (default: the ReFusion tokenizer in this repository).
-    #[arg(long, value_name = "DIR", default_value = super::demo::TOKENIZER_DIR, requires = "synthetic")]
+    #[arg(long, value_name = "DIR", default_value = super::demo::TOKENIZER_DIR, requires = "synthetic", conflicts_with = "grow_from")]
     tokenizer_dir: PathBuf,
     /// Output file (default: <folder name>-<TYPE>.gguf in the current directory).
     #[arg(short, long)]

@@ -6,13 +6,14 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use refusion_convert::info::human_bytes;
 use refusion_gguf::{DecodingDefaults, GgufHeader, Value};
 
-use super::score;
+use super::{score, BenchArgs, ModelLine};
 use crate::decode::{check, generate, DecodeParams, Kind};
 use crate::kv::KvCache;
 use crate::model::Forward;
-use crate::runtime::Loaded;
+use crate::runtime::{load, Loaded};
 
 /// A named decoding setting: the model card's, a paper benchmark's (refusion-facts §7.2), or
 /// plain left-to-right decoding on the same file.
@@ -253,4 +254,143 @@ pub fn run_setting(
         / rates.len().saturating_sub(1).max(1) as f64;
     row.sd = var.sqrt();
     Ok(row)
+}
+
+/// `--decode`: every setting checked against the file and the context, then decoded.
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.prompts == 0 {
+        bail!("--prompts must be at least 1");
+    }
+    let names = a.decode.clone().unwrap_or_default();
+    let known = setting_names();
+    if let Some(bad) = names.iter().find(|n| !known.contains(&n.as_str())) {
+        bail!(
+            "--decode: unknown setting '{bad}' (expected {})",
+            known.join(", ")
+        );
+    }
+    let format = if a.json { "jsonl" } else { a.output.as_str() };
+    let table = format == "md";
+    crate::cli::set_threads(a.model.threads)?;
+    let threads = rayon::current_num_threads();
+    let loaded = load(&a.model.load_options(table)?)?;
+    let tok = &loaded.tokenizer;
+    let (Some(eos), Some(mask)) = (tok.eos_id, tok.mask_id) else {
+        bail!("--decode needs a ReFusion file (an EOS and a mask token)");
+    };
+    let settings = names
+        .iter()
+        .map(|n| Setting::parse(n, &loaded.file.header, eos, mask))
+        .collect::<Result<Vec<_>>>()?;
+    let (prompts, source) = prompts(&loaded, a.prompts)?;
+    for s in &settings {
+        check_fits(&loaded, s, &prompts)?;
+    }
+    let line = ModelLine::of(&loaded, threads);
+    if table {
+        eprintln!(
+            "{} {source}, each decoded once per setting after a warm-up",
+            prompts.len()
+        );
+        println!("| model                          |       size |     params | backend       | threads |                          test |             t/s |    TPF | fed/fwd | fwd p50/max |   acc |");
+        println!("| ------------------------------ | ---------: | ---------: | ------------- | ------: | ----------------------------: | --------------: | -----: | ------: | ----------: | ----: |");
+    }
+    let mut cache = loaded.new_cache(loaded.context)?;
+    let mut rows = Vec::new();
+    for s in &settings {
+        let row = run_setting(&loaded, &mut cache, s, &prompts)?;
+        match format {
+            "md" => println!("{}", line.decode_row(&row)),
+            "jsonl" => println!("{}", line.decode_json(&row)),
+            _ => {}
+        }
+        rows.push(row);
+    }
+    match format {
+        "json" => {
+            let all: Vec<_> = rows.iter().map(|r| line.decode_json(r)).collect();
+            println!("{}", serde_json::Value::Array(all));
+        }
+        "csv" => {
+            println!("model,size,params,backend,threads,kernels,test,prompts,committed,seconds,tokens_per_s,stddev,tpf,forwards,fed_per_forward,forward_p50,forward_max,accuracy");
+            for r in &rows {
+                println!("{}", line.decode_csv(r));
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+impl ModelLine {
+    // The decode rows' columns (the forward rows' are in mod.rs).
+    fn decode_row(&self, r: &DecodeRow) -> String {
+        let (p50, max) = r.size_summary();
+        format!(
+            "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>29} | {:>15} | {:>6.2} | {:>7.1} | {:>11} | {:>5} |",
+            self.model,
+            human_bytes(self.size),
+            self.params_text(),
+            self.backend,
+            self.threads,
+            r.label,
+            format!("{:.2} ± {:.2}", r.tokens_per_s(), r.sd),
+            r.tpf,
+            r.fed_per_forward(),
+            format!("{p50}/{max}"),
+            r.accuracy()
+                .map(|a| format!("{:.1}%", a * 100.0))
+                .unwrap_or_else(|| "-".into()),
+        )
+    }
+
+    fn decode_json(&self, r: &DecodeRow) -> serde_json::Value {
+        let (p50, max) = r.size_summary();
+        serde_json::json!({
+            "model": self.model,
+            "size": self.size,
+            "params": self.params,
+            "backend": self.backend,
+            "threads": self.threads,
+            "kernels": self.kernels,
+            "test": r.label,
+            "prompts": r.prompts,
+            "committed": r.committed,
+            "seconds": r.seconds,
+            "tokens_per_s": r.tokens_per_s(),
+            "stddev": r.sd,
+            "tpf": r.tpf,
+            "forwards": r.forwards,
+            "fed_per_forward": r.fed_per_forward(),
+            "forward_p50": p50,
+            "forward_max": max,
+            "forward_sizes": r.sizes,
+            "accuracy": r.accuracy(),
+        })
+    }
+
+    fn decode_csv(&self, r: &DecodeRow) -> String {
+        let (p50, max) = r.size_summary();
+        format!(
+            "\"{}\",{},{},{},{},{},\"{}\",{},{},{:.4},{:.4},{:.4},{:.4},{},{:.4},{},{},{}",
+            self.model,
+            self.size,
+            self.params,
+            self.backend,
+            self.threads,
+            self.kernels,
+            r.label,
+            r.prompts,
+            r.committed,
+            r.seconds,
+            r.tokens_per_s(),
+            r.sd,
+            r.tpf,
+            r.forwards,
+            r.fed_per_forward(),
+            p50,
+            max,
+            r.accuracy().map(|a| format!("{a:.4}")).unwrap_or_default(),
+        )
+    }
 }

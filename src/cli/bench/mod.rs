@@ -56,7 +56,7 @@ pub struct BenchArgs {
         num_args = 0..,
         default_missing_value = "card",
         value_name = "SETTINGS",
-        conflicts_with_all = ["n_tokens", "n_gen"]
+        conflicts_with_all = ["n_tokens", "n_gen", "prefix", "repetitions"]
     )]
     decode: Option<Vec<String>>,
     /// Prompts per --decode setting.
@@ -80,7 +80,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
     }
     if a.decode.is_some() {
-        return run_decode(a);
+        return decode::run(a);
     }
     let a = a.checked()?;
     let format = if a.json { "jsonl" } else { a.output.as_str() };
@@ -253,6 +253,14 @@ impl ModelLine {
         }
     }
 
+    fn params_text(&self) -> String {
+        if self.params >= 1_000_000_000 {
+            format!("{:.2} B", self.params as f64 / 1e9)
+        } else {
+            format!("{:.2} M", self.params as f64 / 1e6)
+        }
+    }
+
     fn table_row(&self, row: &Row) -> String {
         let params = self.params_text();
         format!(
@@ -268,14 +276,21 @@ impl ModelLine {
     }
 
     /// A forward test as JSON, with the model columns CSV has (llama-bench's JSON has them).
-    fn json(&self, row: &Row, prefix: usize) -> serde_json::Value {
-        let mut v = row_json(row, prefix, self.threads, &self.backend, self.kernels);
-        if let Some(o) = v.as_object_mut() {
-            o.insert("model".into(), self.model.clone().into());
-            o.insert("size".into(), self.size.into());
-            o.insert("params".into(), self.params.into());
-        }
-        v
+    fn json(&self, r: &Row, prefix: usize) -> serde_json::Value {
+        serde_json::json!({
+            "model": self.model,
+            "size": self.size,
+            "params": self.params,
+            "test": r.test,
+            "n_tokens": r.n,
+            "prefix": prefix,
+            "tokens_per_s": r.tokens_per_s,
+            "stddev": r.sd,
+            "ms_per_forward": r.ms_per_forward,
+            "threads": self.threads,
+            "backend": self.backend,
+            "kernels": self.kernels,
+        })
     }
 
     fn csv(&self, r: &Row, prefix: usize) -> String {
@@ -381,172 +396,6 @@ fn relative_spread(times: &[f64]) -> f64 {
         var.sqrt() / mean
     } else {
         0.0
-    }
-}
-
-fn row_json(
-    r: &Row,
-    prefix: usize,
-    threads: usize,
-    backend: &str,
-    kernels: &str,
-) -> serde_json::Value {
-    serde_json::json!({
-        "test": r.test,
-        "n_tokens": r.n,
-        "prefix": prefix,
-        "tokens_per_s": r.tokens_per_s,
-        "stddev": r.sd,
-        "ms_per_forward": r.ms_per_forward,
-        "threads": threads,
-        "backend": backend,
-        "kernels": kernels,
-    })
-}
-
-/// `--decode`: every setting checked against the file and the context, then decoded.
-fn run_decode(a: BenchArgs) -> Result<()> {
-    if a.prompts == 0 {
-        bail!("--prompts must be at least 1");
-    }
-    let names = a.decode.clone().unwrap_or_default();
-    let known = decode::setting_names();
-    if let Some(bad) = names.iter().find(|n| !known.contains(&n.as_str())) {
-        bail!(
-            "--decode: unknown setting '{bad}' (expected {})",
-            known.join(", ")
-        );
-    }
-    let format = if a.json { "jsonl" } else { a.output.as_str() };
-    let table = format == "md";
-    super::set_threads(a.model.threads)?;
-    let threads = rayon::current_num_threads();
-    let loaded = load(&a.model.load_options(table)?)?;
-    let tok = &loaded.tokenizer;
-    let (Some(eos), Some(mask)) = (tok.eos_id, tok.mask_id) else {
-        bail!("--decode needs a ReFusion file (an EOS and a mask token)");
-    };
-    let settings = names
-        .iter()
-        .map(|n| decode::Setting::parse(n, &loaded.file.header, eos, mask))
-        .collect::<Result<Vec<_>>>()?;
-    let (prompts, source) = decode::prompts(&loaded, a.prompts)?;
-    for s in &settings {
-        decode::check_fits(&loaded, s, &prompts)?;
-    }
-    let line = ModelLine::of(&loaded, threads);
-    if table {
-        eprintln!(
-            "{} {source}, each decoded once per setting after a warm-up",
-            prompts.len()
-        );
-        println!("| model                          |       size |     params | backend       | threads |                          test |             t/s |    TPF | fed/fwd | fwd p50/max |   acc |");
-        println!("| ------------------------------ | ---------: | ---------: | ------------- | ------: | ----------------------------: | --------------: | -----: | ------: | ----------: | ----: |");
-    }
-    let mut cache = loaded.new_cache(loaded.context)?;
-    let mut rows = Vec::new();
-    for s in &settings {
-        let row = decode::run_setting(&loaded, &mut cache, s, &prompts)?;
-        match format {
-            "md" => println!("{}", line.decode_row(&row)),
-            "jsonl" => println!("{}", line.decode_json(&row)),
-            _ => {}
-        }
-        rows.push(row);
-    }
-    match format {
-        "json" => {
-            let all: Vec<_> = rows.iter().map(|r| line.decode_json(r)).collect();
-            println!("{}", serde_json::Value::Array(all));
-        }
-        "csv" => {
-            println!("model,size,params,backend,threads,kernels,test,prompts,committed,seconds,tokens_per_s,stddev,tpf,forwards,fed_per_forward,forward_p50,forward_max,accuracy");
-            for r in &rows {
-                println!("{}", line.decode_csv(r));
-            }
-        }
-        _ => {}
-    }
-    Ok(())
-}
-
-impl ModelLine {
-    fn params_text(&self) -> String {
-        if self.params >= 1_000_000_000 {
-            format!("{:.2} B", self.params as f64 / 1e9)
-        } else {
-            format!("{:.2} M", self.params as f64 / 1e6)
-        }
-    }
-
-    fn decode_row(&self, r: &decode::DecodeRow) -> String {
-        let (p50, max) = r.size_summary();
-        format!(
-            "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>29} | {:>15} | {:>6.2} | {:>7.1} | {:>11} | {:>5} |",
-            self.model,
-            human_bytes(self.size),
-            self.params_text(),
-            self.backend,
-            self.threads,
-            r.label,
-            format!("{:.2} ± {:.2}", r.tokens_per_s(), r.sd),
-            r.tpf,
-            r.fed_per_forward(),
-            format!("{p50}/{max}"),
-            r.accuracy()
-                .map(|a| format!("{:.1}%", a * 100.0))
-                .unwrap_or_else(|| "-".into()),
-        )
-    }
-
-    fn decode_json(&self, r: &decode::DecodeRow) -> serde_json::Value {
-        let (p50, max) = r.size_summary();
-        serde_json::json!({
-            "model": self.model,
-            "size": self.size,
-            "params": self.params,
-            "backend": self.backend,
-            "threads": self.threads,
-            "kernels": self.kernels,
-            "test": r.label,
-            "prompts": r.prompts,
-            "committed": r.committed,
-            "seconds": r.seconds,
-            "tokens_per_s": r.tokens_per_s(),
-            "stddev": r.sd,
-            "tpf": r.tpf,
-            "forwards": r.forwards,
-            "fed_per_forward": r.fed_per_forward(),
-            "forward_p50": p50,
-            "forward_max": max,
-            "forward_sizes": r.sizes,
-            "accuracy": r.accuracy(),
-        })
-    }
-
-    fn decode_csv(&self, r: &decode::DecodeRow) -> String {
-        let (p50, max) = r.size_summary();
-        format!(
-            "\"{}\",{},{},{},{},{},\"{}\",{},{},{:.4},{:.4},{:.4},{:.4},{},{:.4},{},{},{}",
-            self.model,
-            self.size,
-            self.params,
-            self.backend,
-            self.threads,
-            self.kernels,
-            r.label,
-            r.prompts,
-            r.committed,
-            r.seconds,
-            r.tokens_per_s(),
-            r.sd,
-            r.tpf,
-            r.forwards,
-            r.fed_per_forward(),
-            p50,
-            max,
-            r.accuracy().map(|a| format!("{a:.4}")).unwrap_or_default(),
-        )
     }
 }
 

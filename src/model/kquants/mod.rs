@@ -120,7 +120,7 @@ impl CpuPath {
         CpuPath::ALL
             .into_iter()
             .rev()
-            .find(|p| p.runs() && *p != CpuPath::Amx)
+            .find(|p| *p != CpuPath::Amx && p.runs())
             .unwrap_or(CpuPath::Generic)
     }
 
