@@ -6,7 +6,7 @@ use std::io::{IsTerminal, Write};
 
 use super::generate::GenerateArgs;
 use crate::chat::{TextStream, Tokenizer};
-use crate::decode::{DecodeParams, Event};
+use crate::decode::{CellState, DecodeParams, Event, Trace};
 
 /// Where the answer goes as it decodes: streamed text, or the `--visual` canvas, or nothing
 /// until the end (`--json`).
@@ -33,67 +33,27 @@ impl<'t> Output<'t> {
         if a.visual && !a.json && !visual {
             eprintln!("note: --visual needs a terminal; printing the answer as text");
         }
-        let gen = params.answer_len() as usize;
         Output {
             visual,
             stream: !a.json && !visual && !templated,
             streamer: TextStream::new(tok, prompt.len(), params.eos_id)
                 .limit(params.answer_limit()),
-            canvas: Canvas {
-                prompt_len: prompt.len() as u32,
-                cells: vec![(' ', String::new()); gen],
-                color: !no_color(),
-            },
+            canvas: Canvas::new(Trace::new(params, prompt.len() as u32), !no_color()),
             tok,
             stdout: std::io::stdout(),
         }
     }
 
-    fn piece(&self, t: u32) -> String {
-        self.tok.decode(&[t], false).unwrap_or_default()
-    }
-
     pub(super) fn event(&mut self, ev: Event<'_>) {
-        match ev {
-            Event::Committed { positions, tokens } if self.visual => {
-                for (&p, &t) in positions.iter().zip(tokens) {
-                    self.canvas.set(p, 'C', self.piece(t));
-                }
+        if self.visual {
+            self.canvas.apply(&ev, self.tok);
+            self.canvas.draw(&mut self.stdout);
+        } else if let (true, Event::Committed { positions, tokens }) = (self.stream, ev) {
+            if let Some(text) = self.streamer.push(positions, tokens) {
+                let _ = self.stdout.write_all(text.as_bytes());
+                let _ = self.stdout.flush();
             }
-            Event::Committed { positions, tokens } if self.stream => {
-                if let Some(text) = self.streamer.push(positions, tokens) {
-                    let _ = self.stdout.write_all(text.as_bytes());
-                    let _ = self.stdout.flush();
-                }
-                return;
-            }
-            Event::Planned {
-                slot_starts,
-                slot_size,
-                tokens,
-            } if self.visual => {
-                for (s, &start) in slot_starts.iter().enumerate() {
-                    for j in 0..slot_size {
-                        let piece = self.piece(tokens[s * slot_size + j]);
-                        self.canvas.set(start + j as u32, 'D', piece);
-                    }
-                }
-            }
-            Event::Infill {
-                slot_starts,
-                tokens,
-                tags,
-            } if self.visual => {
-                for (r, &start) in slot_starts.iter().enumerate() {
-                    for (j, &t) in tokens[r].iter().enumerate() {
-                        let state = if tags[r][j] { 'V' } else { 'D' };
-                        self.canvas.set(start + j as u32, state, self.piece(t));
-                    }
-                }
-            }
-            _ => return,
         }
-        self.canvas.draw(&mut self.stdout);
     }
 
     /// The streamed text's held-back tail.
@@ -222,34 +182,50 @@ pub(super) fn no_color() -> bool {
     std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty())
 }
 
-/// The `--visual` canvas: one cell per generated position.
+/// The `--visual` canvas: one cell per answer position, as the decode's [`Trace`] has it.
 pub(super) struct Canvas {
-    prompt_len: u32,
-    cells: Vec<(char, String)>,
+    trace: Trace,
+    /// Each cell's token as text.
+    texts: Vec<String>,
     /// ANSI colors for verified and drafted tokens; without them (`NO_COLOR`), verified
     /// tokens are shown plain and drafted ones in brackets.
     color: bool,
 }
 
 impl Canvas {
-    fn set(&mut self, pos: u32, state: char, text: String) {
-        if let Some(c) = self.cells.get_mut((pos - self.prompt_len) as usize) {
-            if c.0 != 'C' {
-                *c = (state, text);
-            }
+    fn new(trace: Trace, color: bool) -> Canvas {
+        let mut c = Canvas {
+            texts: vec![String::new(); trace.cells().len()],
+            trace,
+            color,
+        };
+        c.refresh(|t| format!("<{t}>"));
+        c
+    }
+
+    fn apply(&mut self, ev: &Event<'_>, tok: &Tokenizer) {
+        self.trace.apply(ev);
+        self.refresh(|t| tok.decode(&[t], false).unwrap_or_default());
+    }
+
+    /// The changed cells' texts.
+    fn refresh(&mut self, piece: impl Fn(u32) -> String) {
+        for (i, cell) in self.trace.take_changes() {
+            self.texts[i as usize] = cell.token.map(&piece).unwrap_or_default();
         }
     }
 
     fn draw(&self, out: &mut impl Write) {
         let mut s = String::from("\x1b[2J\x1b[H");
-        for (state, text) in &self.cells {
+        for (cell, text) in self.trace.cells().iter().zip(&self.texts) {
             let shown = text.replace('\n', "⏎");
-            match (state, self.color) {
-                ('C', _) | ('V', false) => s.push_str(&shown),
-                ('V', true) => s.push_str(&format!("\x1b[32m{shown}\x1b[0m")),
-                ('D', true) => s.push_str(&format!("\x1b[2m{shown}\x1b[0m")),
-                ('D', false) => s.push_str(&format!("[{shown}]")),
-                _ => s.push('░'),
+            let drafted = matches!(cell.state, CellState::Planned | CellState::Drafted);
+            match (cell.state, self.color) {
+                (CellState::Masked, _) => s.push('░'),
+                (CellState::Verified, true) => s.push_str(&format!("\x1b[32m{shown}\x1b[0m")),
+                (_, true) if drafted => s.push_str(&format!("\x1b[2m{shown}\x1b[0m")),
+                (_, false) if drafted => s.push_str(&format!("[{shown}]")),
+                _ => s.push_str(&shown),
             }
         }
         s.push_str(if self.color {
@@ -270,16 +246,28 @@ pub(super) fn as_f64(x: f32) -> f64 {
 #[cfg(test)]
 mod canvas_tests {
     use super::Canvas;
+    use crate::decode::{DecodeParams, Event, Trace};
 
     fn drawn(color: bool) -> String {
-        let mut c = Canvas {
-            prompt_len: 2,
-            cells: vec![(' ', String::new()); 3],
-            color,
+        let d = refusion_gguf::DecodingDefaults {
+            gen_length: 4,
+            slot_size: 4,
+            serial_blocks: 1,
+            slot_threshold: 0.9,
+            token_threshold: 0.9,
         };
-        c.set(2, 'C', "a".into());
-        c.set(3, 'V', "b".into());
-        c.set(4, 'D', "c".into());
+        let mut c = Canvas::new(Trace::new(&DecodeParams::new(d, 0, 1), 2), color);
+        let piece = |t: u32| ["a", "b", "c"][t as usize].to_string();
+        c.trace.apply(&Event::Committed {
+            positions: &[2],
+            tokens: &[0],
+        });
+        c.trace.apply(&Event::Infill {
+            slot_starts: &[3],
+            tokens: &[vec![1, 2]],
+            tags: &[vec![true, false]],
+        });
+        c.refresh(piece);
         let mut out = Vec::new();
         c.draw(&mut out);
         String::from_utf8(out).unwrap()
@@ -292,7 +280,7 @@ mod canvas_tests {
             !plain.contains("\x1b[3") && !plain.contains("\x1b[2m"),
             "{plain:?}"
         );
-        assert!(plain.contains("ab[c]"), "{plain:?}");
+        assert!(plain.contains("ab[c]░"), "{plain:?}");
         assert!(drawn(true).contains("\x1b[32mb"));
     }
 }

@@ -76,6 +76,13 @@ pub struct ServeArgs {
         allow_negative_numbers = true
     )]
     max_connections: usize,
+    /// Let web pages from this origin call the API (`scheme://host[:port]`; repeatable; `*`
+    /// for any, only with --api-key). Loopback origins and the server's own page always may.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origin: Vec<String>,
+    /// Do not serve the web page at `/`.
+    #[arg(long)]
+    no_webui: bool,
     /// Seconds responses in flight get to end after SIGINT/SIGTERM (generations are cancelled).
     #[arg(long, default_value_t = 5.0, value_name = "SECS")]
     shutdown_timeout: f64,
@@ -155,6 +162,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let _ = a.cont_batching;
     check_access(a.host, a.api_key.as_deref())?;
+    crate::server::Cors::new(&a.cors_origin, a.host, a.api_key.as_deref())?;
     if !(1..=65_536).contains(&a.max_connections) {
         anyhow::bail!(
             "--max-connections must be between 1 and 65536, got {}",
@@ -193,6 +201,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_body_bytes: a.max_body_bytes,
         model_name,
         conn,
+        cors_origins: a.cors_origin.clone(),
+        webui: !a.no_webui,
     };
     serve(loaded, limits, cfg)?;
     Ok(())

@@ -18,6 +18,7 @@ mod probs;
 mod slots;
 pub mod strategy;
 pub mod template;
+pub mod trace;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -28,6 +29,7 @@ pub use probs::{argmax, prob};
 pub use slots::SlotDecoder;
 pub use strategy::{start, Kind, Poll, Strategy};
 pub use template::{Filled, GapFill, Piece, Template, TextPiece};
+pub use trace::{Cell, CellState, Trace};
 
 use crate::error::{Error, RequestError, Result};
 use crate::kv::{KvCache, SeqId};

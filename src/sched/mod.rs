@@ -29,6 +29,8 @@ pub enum Update<'e> {
         reused: usize,
     },
     Event(Event<'e>),
+    /// A forward served it: the events since the last `Stepped` are one step.
+    Stepped,
     /// The end: the result, [`Error::Cancelled`] when its cancel flag was set, or the error.
     Finished(Result<DecodeResult>),
 }
@@ -362,6 +364,7 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
                 done.push((i, Some(e)));
                 continue;
             }
+            sink(Update::Stepped);
             if !r.prompt_cached {
                 // The first forward fed the prompt: its entries can serve later requests.
                 r.prompt_cached = true;

@@ -14,14 +14,16 @@ use super::body::discard_body;
 use super::AppState;
 use crate::error::{Error, Result};
 
-/// Middleware, outermost: every route but `/health` needs the key when one is set, checked
-/// before the body is read.
+/// Middleware: every route but `/health` and the web page's files needs the key when one is
+/// set, checked before the body is read.
 pub(super) async fn require_key(
     State(state): State<Arc<AppState>>,
     req: Request,
     next: Next,
 ) -> Response {
-    if req.uri().path() != "/health" {
+    let path = req.uri().path();
+    let open = path == "/health" || (state.webui && super::webui::is_page(path));
+    if !open {
         if let Err(e) = check_key(state.api_key.as_deref(), req.headers()) {
             // The body is read and dropped (bounded), not kept: the client gets its 401
             // instead of a reset from a close with its upload unread.

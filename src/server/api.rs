@@ -156,6 +156,9 @@ pub struct Knobs {
     pub token_threshold: Option<f32>,
     /// `slots` (the default), `ar` or `infill`.
     pub strategy: Option<String>,
+    /// Stream the decode's steps as `refusion.step` events (chat completions, streamed).
+    #[serde(default)]
+    pub decode_events: bool,
 }
 
 impl Knobs {

@@ -107,6 +107,7 @@ pub(super) struct Collected {
     pub(super) finish_reason: &'static str,
     pub(super) prompt_tokens: usize,
     pub(super) completion_tokens: usize,
+    pub(super) figures: super::worker::Figures,
 }
 
 /// Collects a non-streamed answer.
@@ -127,6 +128,7 @@ pub(super) async fn collect(mut rx: UnboundedReceiver<Msg>) -> Result<Collected,
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
+                figures,
             } => {
                 return Ok(Collected {
                     text,
@@ -134,10 +136,11 @@ pub(super) async fn collect(mut rx: UnboundedReceiver<Msg>) -> Result<Collected,
                     finish_reason,
                     prompt_tokens,
                     completion_tokens,
+                    figures,
                 })
             }
             Msg::Error(e) => return Err(e),
-            Msg::Started { .. } | Msg::End => {}
+            Msg::Started { .. } | Msg::Step(_) | Msg::End => {}
         }
     }
     Err(ApiError::new(

@@ -12,6 +12,7 @@ mod access;
 pub mod api;
 mod body;
 mod conn;
+mod cors;
 mod fill;
 mod infill;
 mod jobs;
@@ -19,6 +20,7 @@ mod llama;
 mod ollama;
 mod openai;
 mod signals;
+mod webui;
 pub mod worker;
 
 use std::net::{IpAddr, SocketAddr};
@@ -38,6 +40,7 @@ pub use self::access::check_access;
 use self::api::ApiError;
 use self::body::{read_body, BodyLimits};
 pub use self::conn::ConnLimits;
+pub use self::cors::Cors;
 use self::signals::Signals;
 use self::worker::{Job, Limits, Load, Shutdown};
 use crate::error::{Error, Result};
@@ -51,6 +54,10 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     pub model_name: String,
     pub conn: ConnLimits,
+    /// `--cors-origin` values (checked at start).
+    pub cors_origins: Vec<String>,
+    /// The web page at `/` (`--no-webui` turns it off).
+    pub webui: bool,
 }
 
 struct AppState {
@@ -71,6 +78,8 @@ struct AppState {
     /// The scheduler's counters, as of its last step.
     load: Load,
     parallel: usize,
+    /// The page is served (its paths need no key).
+    webui: bool,
 }
 
 /// 405 in the API's error format, with the `Allow` header.
@@ -157,6 +166,7 @@ async fn not_found() -> Response {
 /// process at once (code 130).
 pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
     check_access(cfg.host, cfg.api_key.as_deref())?;
+    let cors = Cors::new(&cfg.cors_origins, cfg.host, cfg.api_key.as_deref())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -191,23 +201,32 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
         max_bytes: cfg.max_body_bytes,
         timeout: cfg.conn.body,
     };
-    let app = router(AppState {
-        jobs: jobs_tx,
-        model: cfg.model_name.clone(),
-        api_key: cfg.api_key.clone(),
-        queue: cfg.queue,
-        next_id: AtomicU64::new(1),
-        body,
-        card,
-        tokenizer,
-        vocab,
-        props,
-        load,
-        parallel,
-    });
+    let app = router(
+        AppState {
+            jobs: jobs_tx,
+            model: cfg.model_name.clone(),
+            api_key: cfg.api_key.clone(),
+            queue: cfg.queue,
+            next_id: AtomicU64::new(1),
+            body,
+            card,
+            tokenizer,
+            vocab,
+            props,
+            load,
+            parallel,
+            webui: cfg.webui,
+        },
+        cors,
+    );
     eprintln!(
-        "refusion serve: listening on http://{local} (model '{}')",
-        cfg.model_name
+        "refusion serve: listening on http://{local} (model '{}'){}",
+        cfg.model_name,
+        if cfg.webui {
+            "; the web page is at /"
+        } else {
+            ""
+        }
     );
     rt.block_on(async move {
         let stop = first_signal(signals, shutdown, cfg.conn.grace);
@@ -308,79 +327,84 @@ async fn log_request(req: Request, next: Next) -> Response {
 
 /// The routes, each answering 405 with the error object to other methods, behind the API key
 /// check (outermost, before the body is read) and the body reader.
-fn router(state: AppState) -> Router {
+fn router(state: AppState, cors: Cors) -> Router {
     let state = Arc::new(state);
-    Router::new()
-        .route(
-            "/health",
-            get(health).fallback(method_not_allowed("GET, HEAD")),
-        )
-        .route(
-            "/metrics",
-            get(metrics).fallback(method_not_allowed("GET, HEAD")),
-        )
-        .route(
-            "/v1/models",
-            get(openai::models).fallback(method_not_allowed("GET, HEAD")),
-        )
-        .route(
-            "/v1/chat/completions",
-            post(openai::chat_completions).fallback(method_not_allowed("POST")),
-        )
-        .route(
-            "/v1/completions",
-            post(openai::completions).fallback(method_not_allowed("POST")),
-        )
-        // llama-server's utilities.
-        .route(
-            "/tokenize",
-            post(llama::tokenize).fallback(method_not_allowed("POST")),
-        )
-        .route(
-            "/detokenize",
-            post(llama::detokenize).fallback(method_not_allowed("POST")),
-        )
-        .route(
-            "/props",
-            get(llama::props).fallback(method_not_allowed("GET, HEAD")),
-        )
-        .route(
-            "/infill",
-            post(infill::infill).fallback(method_not_allowed("POST")),
-        )
-        // ollama's API.
-        .route(
-            "/api/tags",
-            get(ollama::tags).fallback(method_not_allowed("GET, HEAD")),
-        )
-        .route(
-            "/api/ps",
-            get(ollama::ps).fallback(method_not_allowed("GET, HEAD")),
-        )
-        .route(
-            "/api/version",
-            get(ollama::version).fallback(method_not_allowed("GET, HEAD")),
-        )
-        .route(
-            "/api/show",
-            post(ollama::show).fallback(method_not_allowed("POST")),
-        )
-        .route(
-            "/api/generate",
-            post(ollama::generate).fallback(method_not_allowed("POST")),
-        )
-        .route(
-            "/api/chat",
-            post(ollama::chat).fallback(method_not_allowed("POST")),
-        )
-        .fallback(not_found)
-        // `read_body` enforces the limit; this lifts axum's own 2 MB default for the handlers.
-        .layer(DefaultBodyLimit::max(state.body.max_bytes))
-        .layer(middleware::from_fn_with_state(state.body, read_body))
-        .layer(middleware::from_fn_with_state(
-            state.clone(),
-            access::require_key,
-        ))
-        .layer(middleware::from_fn(log_request))
-        .with_state(state)
+    let page = if state.webui {
+        webui::routes()
+    } else {
+        Router::new()
+    };
+    page.route(
+        "/health",
+        get(health).fallback(method_not_allowed("GET, HEAD")),
+    )
+    .route(
+        "/metrics",
+        get(metrics).fallback(method_not_allowed("GET, HEAD")),
+    )
+    .route(
+        "/v1/models",
+        get(openai::models).fallback(method_not_allowed("GET, HEAD")),
+    )
+    .route(
+        "/v1/chat/completions",
+        post(openai::chat_completions).fallback(method_not_allowed("POST")),
+    )
+    .route(
+        "/v1/completions",
+        post(openai::completions).fallback(method_not_allowed("POST")),
+    )
+    // llama-server's utilities.
+    .route(
+        "/tokenize",
+        post(llama::tokenize).fallback(method_not_allowed("POST")),
+    )
+    .route(
+        "/detokenize",
+        post(llama::detokenize).fallback(method_not_allowed("POST")),
+    )
+    .route(
+        "/props",
+        get(llama::props).fallback(method_not_allowed("GET, HEAD")),
+    )
+    .route(
+        "/infill",
+        post(infill::infill).fallback(method_not_allowed("POST")),
+    )
+    // ollama's API.
+    .route(
+        "/api/tags",
+        get(ollama::tags).fallback(method_not_allowed("GET, HEAD")),
+    )
+    .route(
+        "/api/ps",
+        get(ollama::ps).fallback(method_not_allowed("GET, HEAD")),
+    )
+    .route(
+        "/api/version",
+        get(ollama::version).fallback(method_not_allowed("GET, HEAD")),
+    )
+    .route(
+        "/api/show",
+        post(ollama::show).fallback(method_not_allowed("POST")),
+    )
+    .route(
+        "/api/generate",
+        post(ollama::generate).fallback(method_not_allowed("POST")),
+    )
+    .route(
+        "/api/chat",
+        post(ollama::chat).fallback(method_not_allowed("POST")),
+    )
+    .fallback(not_found)
+    // `read_body` enforces the limit; this lifts axum's own 2 MB default for the handlers.
+    .layer(DefaultBodyLimit::max(state.body.max_bytes))
+    .layer(middleware::from_fn_with_state(state.body, read_body))
+    .layer(middleware::from_fn_with_state(
+        state.clone(),
+        access::require_key,
+    ))
+    .layer(middleware::from_fn_with_state(Arc::new(cors), cors::cors))
+    .layer(middleware::from_fn(log_request))
+    .with_state(state)
 }

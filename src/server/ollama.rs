@@ -312,6 +312,7 @@ async fn answer(
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
+                ..
             } => finish(
                 object(piece(""), true),
                 finish_reason,
@@ -320,7 +321,7 @@ async fn answer(
                 start.elapsed(),
             ),
             Msg::Error(e) => json!({"error": e.message}),
-            Msg::Started { .. } | Msg::End => return None,
+            Msg::Started { .. } | Msg::Step(_) | Msg::End => return None,
         };
         Some(Ok::<_, std::convert::Infallible>(Bytes::from(format!(
             "{v}\n"

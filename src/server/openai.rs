@@ -48,6 +48,12 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
         messages.push(Message::new(&m.role, &m.content.text()?));
     }
     let stream = req.knobs.stream;
+    if req.knobs.decode_events && !stream {
+        return Err(ApiError::bad_request(
+            "decode_events streams the decode's steps: it needs stream: true",
+        )
+        .param("decode_events"));
+    }
     let include_usage = req
         .knobs
         .stream_options
@@ -75,6 +81,7 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
             "id": id, "object": "chat.completion", "created": created, "model": model,
             "choices": [choice],
             "usage": usage(got.prompt_tokens, got.completion_tokens),
+            "timings": got.figures.timings(got.prompt_tokens, got.completion_tokens),
         }))
         .into_response());
     }
@@ -96,15 +103,18 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
+                figures,
             } => {
                 let mut v: serde_json::Value =
                     serde_json::from_str(&chunk(json!({}), Some(finish_reason))).ok()?;
                 v["usage"] = usage(prompt_tokens, completion_tokens);
+                v["timings"] = figures.timings(prompt_tokens, completion_tokens);
                 tail.done(&v, prompt_tokens, completion_tokens);
                 Some(SseEvent::default().data(v.to_string()))
             }
             Msg::End => tail.end(),
             Msg::Error(e) => Some(SseEvent::default().data(e.body().to_string())),
+            Msg::Step(step) => Some(SseEvent::default().event("refusion.step").data(step)),
             Msg::Started { .. } => None,
         }
     });
@@ -129,6 +139,12 @@ pub(super) async fn completions_inner(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_with_knobs(&body)?;
+    if req.knobs.decode_events {
+        return Err(ApiError::bad_request(
+            "decode_events is served by /v1/chat/completions (streamed), not here",
+        )
+        .param("decode_events"));
+    }
     let inputs = prompts(req.prompt, state.queue)?;
     // An empty suffix is none (as in ollama): plain generation.
     let template = req
@@ -241,6 +257,7 @@ fn stream_completions(head: Head, streams: Vec<Answering>, include_usage: bool) 
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
+                ..
             } => {
                 let v = chunk(index, "", Some(finish_reason));
                 (p, c) = (p + prompt_tokens, c + completion_tokens);
@@ -253,7 +270,7 @@ fn stream_completions(head: Head, streams: Vec<Answering>, include_usage: bool) 
                 (ended == n).then(|| tail.end()).flatten()
             }
             Msg::Error(e) => Some(SseEvent::default().data(e.body().to_string())),
-            Msg::Started { .. } => None,
+            Msg::Started { .. } | Msg::Step(_) => None,
         }
     });
     let events = events.chain(tokio_stream::iter(UsageTail::last(include_usage)));

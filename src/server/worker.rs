@@ -11,7 +11,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::api::{ApiError, Knobs};
 use super::fill::{FillSpec, Fills};
 use crate::chat::{ChatTemplate, Message, TextStream};
-use crate::decode::{DecodeParams, Event};
+use crate::decode::{DecodeParams, Event, Trace};
 use crate::error::{Error, RequestError};
 use crate::runtime::Loaded;
 use crate::sched::{Request, Scheduler, Stats, Update};
@@ -47,10 +47,38 @@ pub enum Msg {
         finish_reason: &'static str,
         prompt_tokens: usize,
         completion_tokens: usize,
+        figures: Figures,
     },
+    /// One step of the decode drawn (`decode_events`): a `refusion.step` event's JSON.
+    Step(String),
     /// The stream is over (after `Done`).
     End,
     Error(ApiError),
+}
+
+/// How the answer was decoded, for llama-server's `timings` and the web page.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Figures {
+    /// From admission to the end.
+    pub decode_ms: f64,
+    pub forward_calls: usize,
+    /// The reference's tokens per forward (none when the decode was cut short).
+    pub tpf: Option<f64>,
+}
+
+impl Figures {
+    /// llama-server's `timings` object, with ReFusion's figures beside.
+    pub fn timings(&self, prompt_tokens: usize, completion_tokens: usize) -> serde_json::Value {
+        let per_s = completion_tokens as f64 / (self.decode_ms / 1e3).max(1e-9);
+        serde_json::json!({
+            "prompt_n": prompt_tokens,
+            "predicted_n": completion_tokens,
+            "predicted_ms": self.decode_ms,
+            "predicted_per_second": per_s,
+            "forward_calls": self.forward_calls,
+            "tpf": self.tpf,
+        })
+    }
 }
 
 /// Shutdown as the worker sees it: once requested, the generations in progress are cancelled
@@ -363,24 +391,43 @@ impl<'a> Ctx<'a> {
             filter: StopFilter::new(stops),
             prompt_tokens: prompt.len(),
             reused: 0,
+            started: None,
+            forwards: 0,
         };
         let flag = cancel.clone();
+        let mut steps = knobs
+            .decode_events
+            .then(|| Steps::new(Trace::new(&params, prompt.len() as u32), tokenizer));
         let sink = Box::new(move |u: Update<'_>| match u {
             Update::Started { reused } => {
                 answer.reused = reused;
+                answer.started = Some(std::time::Instant::now());
                 let _ = tx.send(Msg::Started {
                     prompt_tokens: answer.prompt_tokens,
                 });
-            }
-            Update::Event(Event::Committed { positions, tokens }) => {
-                for m in answer.push(positions, tokens) {
-                    let _ = tx.send(m);
-                }
-                if answer.stopped() {
-                    flag.store(true, Ordering::SeqCst);
+                if let Some(s) = &mut steps {
+                    let _ = tx.send(s.next());
                 }
             }
-            Update::Event(_) => {}
+            Update::Event(ev) => {
+                if let Some(s) = &mut steps {
+                    s.trace.apply(&ev);
+                }
+                if let Event::Committed { positions, tokens } = ev {
+                    for m in answer.push(positions, tokens) {
+                        let _ = tx.send(m);
+                    }
+                    if answer.stopped() {
+                        flag.store(true, Ordering::SeqCst);
+                    }
+                }
+            }
+            Update::Stepped => {
+                answer.forwards += 1;
+                if let Some(s) = &mut steps {
+                    let _ = tx.send(s.next());
+                }
+            }
             Update::Finished(result) => {
                 let outcome = answer.finish(result, tokenizer, shutdown);
                 shutdown.end(&flag);
@@ -439,6 +486,48 @@ impl<'a> Ctx<'a> {
     }
 }
 
+/// The decode drawn step by step for the client (`decode_events`): each step's changed cells
+/// as a `refusion.step` event, the same [`Trace`] `--visual` draws.
+struct Steps<'t> {
+    trace: Trace,
+    tokenizer: &'t crate::chat::Tokenizer,
+    step: usize,
+}
+
+impl<'t> Steps<'t> {
+    fn new(trace: Trace, tokenizer: &'t crate::chat::Tokenizer) -> Steps<'t> {
+        Steps {
+            trace,
+            tokenizer,
+            step: 0,
+        }
+    }
+
+    /// `{"step": N, "length": POSITIONS, "cells": [[INDEX, STATE, TEXT], ...]}`: step 0 is
+    /// the answer before any forward (a template's given text), then one per forward.
+    fn next(&mut self) -> Msg {
+        let cells: Vec<serde_json::Value> = self
+            .trace
+            .take_changes()
+            .into_iter()
+            .map(|(i, c)| {
+                let text = c
+                    .token
+                    .map(|t| self.tokenizer.decode(&[t], false).unwrap_or_default())
+                    .unwrap_or_default();
+                serde_json::json!([i, c.state.name(), text])
+            })
+            .collect();
+        let v = serde_json::json!({
+            "step": self.step,
+            "length": self.trace.cells().len(),
+            "cells": cells,
+        });
+        self.step += 1;
+        Msg::Step(v.to_string())
+    }
+}
+
 /// A caller's mistake is a 400, anything else a 500.
 fn api_error(e: Error) -> ApiError {
     match e {
@@ -472,6 +561,9 @@ struct Answer<'t> {
     filter: StopFilter,
     prompt_tokens: usize,
     reused: usize,
+    /// When it was admitted, and the forwards that served it since.
+    started: Option<std::time::Instant>,
+    forwards: usize,
 }
 
 impl Answer<'_> {
@@ -487,6 +579,17 @@ impl Answer<'_> {
             Vec::new()
         } else {
             vec![Msg::Delta(out)]
+        }
+    }
+
+    /// The figures as counted here (a decode cut short has no result to take them from).
+    fn figures(&self) -> Figures {
+        Figures {
+            decode_ms: self
+                .started
+                .map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3),
+            forward_calls: self.forwards,
+            tpf: None,
         }
     }
 
@@ -543,6 +646,11 @@ impl Answer<'_> {
                     finish_reason,
                     prompt_tokens,
                     completion_tokens: r.completion_tokens(),
+                    figures: Figures {
+                        tpf: Some(r.tpf),
+                        forward_calls: r.forward_calls,
+                        ..self.figures()
+                    },
                 });
                 Ok(msgs)
             }
@@ -553,6 +661,7 @@ impl Answer<'_> {
                     finish_reason: "stop",
                     prompt_tokens,
                     completion_tokens: tokenizer.encode(&sent).map(|t| t.len()).unwrap_or(0),
+                    figures: self.figures(),
                 });
                 Ok(msgs)
             }
@@ -565,6 +674,7 @@ impl Answer<'_> {
                     finish_reason: "stop",
                     prompt_tokens,
                     completion_tokens: completion,
+                    figures: self.figures(),
                 }])
             }
             Err(Error::Cancelled) if shutdown.requested() => {
