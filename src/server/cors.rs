@@ -103,7 +103,8 @@ fn is_loopback_origin(origin: &str) -> bool {
 }
 
 /// A host name a loopback-bound server answers to: loopback names, any IP address (an address
-/// cannot be rebound), and names only this network resolves (`.local`, `.internal`).
+/// cannot be rebound), and names only this machine or network resolves (a name without a dot,
+/// such as the machine's own, `.local`, `.internal`): a rebinding page needs a public domain.
 fn answers_to(host: &str) -> bool {
     let Some(name) = host_name(host) else {
         return false;
@@ -111,6 +112,7 @@ fn answers_to(host: &str) -> bool {
     let lower = name.trim_end_matches('.').to_ascii_lowercase();
     is_loopback_host(name)
         || lower.parse::<IpAddr>().is_ok()
+        || !lower.contains('.')
         || lower.ends_with(".local")
         || lower.ends_with(".internal")
 }
@@ -198,7 +200,7 @@ mod tests {
             assert!(Cors::new(&[bad.into()], lo, None).is_err(), "{bad}");
         }
         assert!(answers_to("localhost:8080") && answers_to("127.0.0.1:1") && answers_to("[::1]:2"));
-        assert!(answers_to("192.168.1.2:80") && answers_to("box.local"));
+        assert!(answers_to("192.168.1.2:80") && answers_to("box.local") && answers_to("mybox:80"));
         assert!(!answers_to("evil.example:8080") && !answers_to("localhost.evil.net"));
     }
 }

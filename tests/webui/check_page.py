@@ -15,8 +15,7 @@ import time
 import urllib.error
 import urllib.request
 
-base, mode = sys.argv[1], sys.argv[2]
-arg = sys.argv[3] if len(sys.argv) > 3 else None
+base = ""  # set by main
 
 
 def request(path, method="GET", body=None, headers=None):
@@ -167,8 +166,6 @@ def check_page(screenshot):
         early = int(d.find_element(By.ID, "canvas").get_attribute("data-committed"))
         assert early < committed and d.find_element(By.ID, "step-label").text.startswith("step 1 of"), early
         d.execute_script("const s = arguments[0]; s.value = s.max; s.dispatchEvent(new Event('input'))", slider)
-        if screenshot:
-            d.save_screenshot(screenshot)
         # A gap fills: the template typed, the gap inserted with the button (a new chat: the
         # tiny model answers single questions).
         d.find_element(By.ID, "new-chat").click()
@@ -182,6 +179,10 @@ def check_page(screenshot):
         wait(d, "!document.getElementById('send').disabled && document.querySelectorAll('.msg.assistant').length == 1")
         gap = d.execute_script("const g = document.querySelectorAll('.gap'); return g[g.length - 1].textContent")
         assert "9" in gap and "Ones" in gap, gap
+        if screenshot:
+            # The gap half-way: the template's text given, the gap's slots being infilled.
+            d.execute_script("const s = arguments[0]; s.value = Math.floor(s.max / 2); s.dispatchEvent(new Event('input'))", slider)
+            d.save_screenshot(screenshot)
         # HTML in a prompt, a template (so in the answer) and a conversation's name stays text.
         d.find_element(By.ID, "new-chat").click()
         payload = '<img src=x onerror="window.pwned=1"><b>bold</b>'
@@ -252,14 +253,22 @@ def check_stop():
         d.quit()
 
 
-if mode == "http":
-    check_http(arg)
-elif mode == "page":
-    check_page(arg)
-elif mode == "key":
-    check_key(arg)
-elif mode == "stop":
-    check_stop()
-else:
-    raise SystemExit(f"unknown mode {mode}")
-print("OK")
+def main():
+    global base
+    base, mode = sys.argv[1], sys.argv[2]
+    arg = sys.argv[3] if len(sys.argv) > 3 else None
+    if mode == "http":
+        check_http(arg)
+    elif mode == "page":
+        check_page(arg)
+    elif mode == "key":
+        check_key(arg)
+    elif mode == "stop":
+        check_stop()
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()
