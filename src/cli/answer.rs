@@ -38,7 +38,9 @@ impl<'t> Output<'t> {
             stream: !a.json && !visual && !templated,
             streamer: TextStream::new(tok, prompt.len(), params.eos_id)
                 .limit(params.answer_limit()),
-            canvas: Canvas::new(Trace::new(params, prompt.len() as u32), !no_color()),
+            canvas: Canvas::new(Trace::new(params, prompt.len() as u32), !no_color(), |t| {
+                tok.decode(&[t], false).unwrap_or_default()
+            }),
             tok,
             stdout: std::io::stdout(),
         }
@@ -193,13 +195,14 @@ pub(super) struct Canvas {
 }
 
 impl Canvas {
-    fn new(trace: Trace, color: bool) -> Canvas {
+    /// The canvas of a trace (a template's given text shown from the start).
+    fn new(trace: Trace, color: bool, piece: impl Fn(u32) -> String) -> Canvas {
         let mut c = Canvas {
             texts: vec![String::new(); trace.cells().len()],
             trace,
             color,
         };
-        c.refresh(|t| format!("<{t}>"));
+        c.refresh(piece);
         c
     }
 
@@ -256,8 +259,8 @@ mod canvas_tests {
             slot_threshold: 0.9,
             token_threshold: 0.9,
         };
-        let mut c = Canvas::new(Trace::new(&DecodeParams::new(d, 0, 1), 2), color);
         let piece = |t: u32| ["a", "b", "c"][t as usize].to_string();
+        let mut c = Canvas::new(Trace::new(&DecodeParams::new(d, 0, 1), 2), color, piece);
         c.trace.apply(&Event::Committed {
             positions: &[2],
             tokens: &[0],

@@ -18,11 +18,14 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use super::api::ApiError;
+use super::body::{discard_body, BodyLimits};
 use crate::error::{Error, Result};
 
 /// The origins allowed beyond loopback, and whether host names are checked.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct Cors {
+    /// How a refused request's body is read and dropped.
+    body: Option<BodyLimits>,
     origins: Vec<String>,
     any: bool,
     /// Bound to loopback: only loopback host names are answered.
@@ -53,6 +56,21 @@ impl Cors {
             }
         }
         Ok(cors)
+    }
+
+    /// Refused requests' bodies are read (bounded) and dropped, so that the client reads its
+    /// 403 instead of a reset.
+    pub(super) fn with_body_limits(mut self, limits: BodyLimits) -> Cors {
+        self.body = Some(limits);
+        self
+    }
+
+    /// A 403 for the request, its body drained first.
+    async fn refuse(&self, req: Request, message: String) -> Response {
+        if let Some(limits) = self.body {
+            discard_body(req, limits).await;
+        }
+        ApiError::new(StatusCode::FORBIDDEN, "forbidden", message).into_response()
     }
 
     fn allows(&self, origin: &str, host: Option<&str>) -> bool {
@@ -117,35 +135,37 @@ fn answers_to(host: &str) -> bool {
         || lower.ends_with(".internal")
 }
 
-fn forbidden(message: String) -> Response {
-    ApiError::new(StatusCode::FORBIDDEN, "forbidden", message).into_response()
-}
-
 /// Middleware, outermost: the host check, the origin check, preflights, and the
 /// `Access-Control-Allow-Origin` header on allowed cross-origin answers.
 pub(super) async fn cors(State(cors): State<Arc<Cors>>, req: Request, next: Next) -> Response {
     let headers = req.headers();
-    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
-    if cors.loopback_only {
-        if let Some(h) = host.filter(|h| !answers_to(h)) {
-            return forbidden(format!(
-                "host '{h}' is not this server: a server on loopback answers to localhost and IP addresses only"
-            ));
-        }
+    let host = headers
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    if let Some(h) = host
+        .as_deref()
+        .filter(|h| cors.loopback_only && !answers_to(h))
+    {
+        let message = format!(
+            "host '{h}' is not this server: a server on loopback answers to localhost, IP addresses and local names only"
+        );
+        return cors.refuse(req, message).await;
     }
     let Some(origin) = headers.get(header::ORIGIN).cloned() else {
         return next.run(req).await;
     };
-    let text = origin.to_str().unwrap_or("");
-    if !cors.allows(text, host) {
-        return forbidden(format!(
+    let text = origin.to_str().unwrap_or("").to_string();
+    if !cors.allows(&text, host.as_deref()) {
+        let message = format!(
             "origin '{text}' may not call this server: start refusion serve with --cors-origin {text}"
-        ));
+        );
+        return cors.refuse(req, message).await;
     }
     let preflight = req.method() == Method::OPTIONS
         && headers.contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
     let mut res = if preflight {
-        preflight_answer(headers)
+        preflight_answer(req.headers())
     } else {
         next.run(req).await
     };

@@ -404,7 +404,10 @@ fn router(state: AppState, cors: Cors) -> Router {
         state.clone(),
         access::require_key,
     ))
-    .layer(middleware::from_fn_with_state(Arc::new(cors), cors::cors))
+    .layer(middleware::from_fn_with_state(
+        Arc::new(cors.with_body_limits(state.body)),
+        cors::cors,
+    ))
     .layer(middleware::from_fn(log_request))
     .with_state(state)
 }
