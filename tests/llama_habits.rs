@@ -151,3 +151,104 @@ fn bench_checks_the_context_before_the_table() {
     );
     assert!(!err.contains("| model"), "the table started: {err}");
 }
+
+/// A POST over a raw connection: the status and the body.
+fn post(server: &Server, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(server.addr()).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let status = text.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (
+        status,
+        text.split("\r\n\r\n").nth(1).unwrap_or("").to_string(),
+    )
+}
+
+/// Request fields this server cannot honour are refused by name (item 6), never silently
+/// ignored; their "off" values pass. On ollama's paths the error is ollama's `{"error": "..."}`.
+#[test]
+fn unsupported_request_fields_are_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("a.gguf");
+    convert_quiet(&fixture_model("pub-a"), &out, "f32");
+    let server = Server::start(&out, &[]);
+    let chat = |extra: &str| {
+        format!(r#"{{"messages":[{{"role":"user","content":"hi"}}],"max_tokens":2{extra}}}"#)
+    };
+    let cmpl = |extra: &str| format!(r#"{{"prompt":"hi","max_tokens":2{extra}}}"#);
+    for (path, body, param) in [
+        (
+            "/v1/chat/completions",
+            chat(r#","logprobs":true"#),
+            "logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(r#","top_logprobs":3"#),
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(r#","response_format":{"type":"json_object"}"#),
+            "response_format",
+        ),
+        ("/v1/completions", cmpl(r#","logprobs":1"#), "logprobs"),
+        ("/v1/completions", cmpl(r#","echo":true"#), "echo"),
+        (
+            "/v1/completions",
+            cmpl(r#","decode_events":true"#),
+            "decode_events",
+        ),
+        (
+            "/tokenize",
+            r#"{"content":"hi","parse_special":false}"#.into(),
+            "parse_special",
+        ),
+    ] {
+        let (status, answer) = post(&server, path, &body);
+        assert_eq!(status, 400, "{path} {body}: {answer}");
+        let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
+        assert_eq!(v["error"]["param"], param, "{path} {body}: {answer}");
+        assert!(
+            answer.contains("not supported") || answer.contains("served by"),
+            "{answer}"
+        );
+    }
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            chat(r#","logprobs":false,"top_logprobs":0,"response_format":{"type":"text"}"#),
+        ),
+        ("/v1/completions", cmpl(r#","logprobs":null,"echo":false"#)),
+        (
+            "/tokenize",
+            r#"{"content":"hi","parse_special":true}"#.into(),
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"m","prompt":"hi","stream":false,"format":"","options":{"num_predict":2}}"#
+                .into(),
+        ),
+    ] {
+        let (status, answer) = post(&server, path, &body);
+        assert_eq!(status, 200, "{path} {body}: {answer}");
+    }
+    for path in ["/api/generate", "/api/chat"] {
+        let body = r#"{"model":"m","prompt":"hi","messages":[{"role":"user","content":"hi"}],"format":"json"}"#;
+        let (status, answer) = post(&server, path, body);
+        assert_eq!(status, 400, "{path}: {answer}");
+        let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
+        assert!(
+            v["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("format is not supported")),
+            "{path}: not ollama's error shape: {answer}"
+        );
+    }
+}

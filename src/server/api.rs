@@ -159,9 +159,55 @@ pub struct Knobs {
     /// Stream the decode's steps as `refusion.step` events (chat completions, streamed).
     #[serde(default)]
     pub decode_events: bool,
+    /// Fields clients send that this server cannot honour: refused by name
+    /// ([`Knobs::refuse_unsupported`]), never silently ignored.
+    #[serde(default)]
+    pub logprobs: Option<serde_json::Value>,
+    #[serde(default)]
+    pub top_logprobs: Option<serde_json::Value>,
+    #[serde(default)]
+    pub echo: Option<serde_json::Value>,
+    #[serde(default)]
+    pub response_format: Option<serde_json::Value>,
 }
 
 impl Knobs {
+    /// A 400 naming the first field asked for that this server cannot honour: log-probabilities
+    /// (slot decoding commits tokens verified or infilled in parallel; their probabilities are
+    /// not the left-to-right ones a caller of `logprobs` expects), `echo` and a
+    /// `response_format` other than text (answers are not constrained to a format). Their
+    /// "off" values (`false`, `null`, `0`, `{"type": "text"}`) pass.
+    pub fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        use serde_json::Value;
+        let off = |v: &Option<Value>| match v {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => true,
+            Some(Value::Number(n)) => n.as_u64() == Some(0),
+            _ => false,
+        };
+        let refuse = |field: &str, why: &str| {
+            Err(ApiError::bad_request(format!("{field} is not supported: {why}")).param(field))
+        };
+        let probs = "slot decoding commits tokens verified or infilled in parallel, whose probabilities are not left-to-right log-probabilities";
+        if !off(&self.logprobs) {
+            return refuse("logprobs", probs);
+        }
+        if !off(&self.top_logprobs) {
+            return refuse("top_logprobs", probs);
+        }
+        if !off(&self.echo) {
+            return refuse("echo", "the answer never repeats the prompt");
+        }
+        let text = |v: &Value| v.get("type").and_then(Value::as_str) == Some("text");
+        match &self.response_format {
+            None | Some(Value::Null) => Ok(()),
+            Some(v) if text(v) => Ok(()),
+            Some(_) => refuse(
+                "response_format",
+                "answers are not constrained to JSON or a schema (only {\"type\": \"text\"})",
+            ),
+        }
+    }
+
     /// The request's decoding parameters: its fields over the server's defaults (`base`),
     /// checked; `n` other than 1 is refused here (one choice per request).
     pub fn params(

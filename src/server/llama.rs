@@ -22,6 +22,8 @@ struct TokenizeRequest {
     /// Each id with its text, as `{"id", "piece"}`.
     #[serde(default)]
     with_pieces: bool,
+    /// Special tokens written in the text are always read as such: `false` is refused.
+    parse_special: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -46,6 +48,12 @@ async fn blocking(f: impl FnOnce() -> Result<Value, ApiError> + Send + 'static) 
 pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let answer = move || -> Result<Value, ApiError> {
         let req: TokenizeRequest = parse(&body)?;
+        if req.parse_special == Some(false) {
+            return Err(ApiError::bad_request(
+                "parse_special false is not supported: special tokens written in the text (<|im_start|>) are always read as special tokens",
+            )
+            .param("parse_special"));
+        }
         let mut ids = state
             .tokenizer
             .encode(&req.content)

@@ -63,6 +63,8 @@ struct GenerateRequest {
     suffix: Option<String>,
     #[serde(default)]
     options: Options,
+    /// Structured output: refused ([`refuse_format`]).
+    format: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -72,6 +74,20 @@ struct ChatRequest {
     stream: Option<bool>,
     #[serde(default)]
     options: Options,
+    format: Option<serde_json::Value>,
+}
+
+/// ollama's `format` (`"json"` or a JSON schema) asks for constrained output, which this
+/// server does not do: a 400 naming it (an empty `""` or `null` is no format).
+fn refuse_format(format: &Option<serde_json::Value>) -> Result<(), ApiError> {
+    match format {
+        None | Some(serde_json::Value::Null) => Ok(()),
+        Some(serde_json::Value::String(s)) if s.is_empty() => Ok(()),
+        Some(_) => Err(ApiError::bad_request(
+            "format is not supported: answers are not constrained to JSON or a schema",
+        )
+        .param("format")),
+    }
 }
 
 /// ollama's error object.
@@ -181,6 +197,9 @@ pub async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
         Ok(r) => r,
         Err(e) => return error(e),
     };
+    if let Err(e) = refuse_format(&req.format) {
+        return error(e);
+    }
     let stream = req.stream.unwrap_or(true);
     if req.prompt.is_empty() {
         // ollama's way to load a model: nothing to generate.
@@ -221,6 +240,9 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(e) => return error(e),
     };
+    if let Err(e) = refuse_format(&req.format) {
+        return error(e);
+    }
     let stream = req.stream.unwrap_or(true);
     if req.messages.is_empty() {
         return Json(json!({"model": state.model, "created_at": now_rfc3339(),

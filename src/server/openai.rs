@@ -30,6 +30,7 @@ pub(super) async fn chat_completions(State(state): State<Arc<AppState>>, body: B
 
 pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let mut req: ChatRequest = parse_with_knobs(&body)?;
+    req.knobs.refuse_unsupported()?;
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("messages must not be empty").param("messages"));
     }
@@ -139,6 +140,7 @@ pub(super) async fn completions_inner(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_with_knobs(&body)?;
+    req.knobs.refuse_unsupported()?;
     if req.knobs.decode_events {
         return Err(ApiError::bad_request(
             "decode_events is served by /v1/chat/completions (streamed), not here",
