@@ -161,6 +161,12 @@ impl Hub {
         })
     }
 
+    /// Only what is cached: nothing is asked of the Hub (as `HF_HUB_OFFLINE=1`).
+    pub fn cached_only(mut self) -> Hub {
+        self.offline = true;
+        self
+    }
+
     /// The cache folder (`$HF_HOME/hub`).
     pub fn cache_dir(&self) -> &Path {
         self.cache.path()

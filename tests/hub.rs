@@ -421,3 +421,90 @@ fn hf_flag_downloads_only_the_chosen_gguf_and_runs_it() {
         s.hub.downloads()
     );
 }
+
+/// ollama's verbs over the Hugging Face cache (issue 33, item 1): `pull`, `list`/`ls`, `show`,
+/// `run` (pulling when missing; with a prompt it generates, `--` passes flags on), the model as
+/// a positional argument, `rm` (only what is in the cache), and `ps` against a running server.
+#[test]
+fn ollama_verbs_over_the_hugging_face_cache() {
+    let s = setup();
+    let home = s.dir.join("hf-verbs");
+    let spec = format!("{GGUF_REPO}:Q8_0");
+    let ok = |args: &[&str]| {
+        let o = refusion(&s, &home, args, &[]);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        stdout(&o)
+    };
+    // Nothing cached: list is empty, show does not download.
+    assert!(!ok(&["list"]).contains(GGUF_REPO));
+    let o = refusion(&s, &home, &["show", &spec], &[]);
+    assert_fails_with(&o, &[GGUF_REPO]);
+    assert!(s.hub.downloads().is_empty());
+    // pull: the one file, into the cache; list and ls show it.
+    let path = ok(&["pull", &spec]);
+    assert!(path.trim_end().ends_with("refusion-tiny-Q8_0.gguf") && path.contains("hf-verbs"));
+    assert_eq!(s.hub.downloads().len(), 1);
+    for verb in ["list", "ls"] {
+        let table = ok(&[verb]);
+        assert!(table.starts_with("NAME"), "{table}");
+        assert!(
+            table.contains(&spec) && table.contains("refusion-tiny-Q8_0.gguf"),
+            "{table}"
+        );
+    }
+    let line = ok(&["list", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+    assert_eq!(v["name"], spec.as_str());
+    assert_eq!(v["quant"], "Q8_0");
+    // show: from the cache, as text and JSON.
+    let shown = ok(&["show", &spec]);
+    for needle in ["qwen3", "Q8_0", "slot size", "context length", "Template"] {
+        assert!(shown.contains(needle), "{needle}: {shown}");
+    }
+    let v: serde_json::Value = serde_json::from_str(&ok(&["show", &spec, "--json"])).unwrap();
+    assert_eq!(v["model"]["architecture"], "qwen3");
+    assert!(v["template"].as_str().unwrap().contains("<|im_start|>"));
+    // run: with a prompt it answers; flags after `--` reach generate; no second download.
+    let answer = ok(&["run", &spec, "What", "is", "47", "+", "38?"]);
+    assert!(answer.contains("85"), "{answer}");
+    let short = ok(&["run", &spec, "What is 47 + 38?", "--", "-n", "4"]);
+    assert!(short.len() < answer.len(), "{short}");
+    // The model as a positional argument, as ollama users write it.
+    let o = ok(&["generate", &spec, "-p", "What is 47 + 38?"]);
+    assert!(o.contains("85"), "{o}");
+    let o = ok(&["generate", s.q8.to_str().unwrap(), "-p", "What is 47 + 38?"]);
+    assert!(o.contains("85"), "{o}");
+    assert_eq!(s.hub.downloads().len(), 1);
+    // run pulls a model that is not there yet.
+    let q4 = format!("{GGUF_REPO}:Q4_K_M");
+    assert!(ok(&["run", &q4, "What is 47 + 38?"]).contains("85"));
+    assert_eq!(s.hub.downloads().len(), 2);
+    // ps asks a running server.
+    let server = common::server::Server::start(&s.q8, &["-a", "tiny-served"]);
+    let port = server.addr().rsplit(':').next().unwrap().to_string();
+    let table = ok(&["ps", "--port", &port]);
+    assert!(
+        table.contains("tiny-served") && table.contains("CPU"),
+        "{table}"
+    );
+    drop(server);
+    let o = refusion(&s, &home, &["ps", "--port", &port], &[]);
+    assert_fails_with(&o, &["no refusion serve answers"]);
+    // rm: only names in the cache, never a user's file; each checked before any is deleted.
+    let o = refusion(&s, &home, &["rm", s.q8.to_str().unwrap()], &[]);
+    assert_fails_with(&o, &["delete it yourself"]);
+    assert!(s.q8.exists());
+    let o = refusion(&s, &home, &["rm", &spec, "test-org/none"], &[]);
+    assert_fails_with(&o, &["test-org/none", "not in the cache"]);
+    let o = refusion(&s, &home, &["rm", GGUF_REPO], &[]);
+    assert_fails_with(&o, &["names 2 files", "add the quant"]);
+    assert!(ok(&["rm", &spec]).contains("deleted"));
+    let table = ok(&["list"]);
+    assert!(!table.contains(&spec) && table.contains(&q4), "{table}");
+    assert!(ok(&["rm", &q4]).contains("deleted"));
+    let repo_dir = home.join("hub/models--test-org--tiny-GGUF");
+    assert!(
+        !repo_dir.exists(),
+        "the emptied repository's folder is left"
+    );
+}

@@ -9,6 +9,7 @@ mod demo;
 pub mod generate;
 mod line_input;
 pub mod model_args;
+mod models;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -42,13 +43,39 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Measure forward throughput (llama-bench's table).
     Bench(bench::BenchArgs),
+    /// Run a model (ollama's `run`): a file or ORG/NAME[:QUANT] (pulled when missing); with a
+    /// prompt, generate; without, chat.
+    Run(models::RunArgs),
+    /// Download a GGUF model from the Hugging Face Hub into its cache (ollama's `pull`).
+    Pull(models::PullArgs),
+    /// The GGUF models in the Hugging Face cache (ollama's `list`).
+    #[command(visible_alias = "ls")]
+    List(models::ListArgs),
+    /// A model's architecture, size, quant, context, decoding defaults and template.
+    Show(models::ShowArgs),
+    /// Delete models from the Hugging Face cache (ollama's `rm`).
+    Rm(models::RmArgs),
+    /// What a running `refusion serve` has loaded (asked through its API).
+    Ps(models::PsArgs),
 }
 
 /// Runs the command line and returns the process exit code.
 pub fn main() -> i32 {
     let cli = Cli::parse_from(std::env::args_os().map(llama_cpp_flag));
     quiet_on_closed_stdout(&cli.command);
-    let result = match cli.command {
+    let result = dispatch(cli.command);
+    exit_code(result)
+}
+
+/// Runs another command line (`run` hands over to `generate` or `chat`).
+fn run_argv(argv: Vec<String>) -> anyhow::Result<()> {
+    let cli = Cli::try_parse_from(argv.into_iter().map(|a| llama_cpp_flag(a.into())))
+        .map_err(|e| anyhow::anyhow!("{}", e.render().to_string().trim_end()))?;
+    dispatch(cli.command)
+}
+
+fn dispatch(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Convert(args) => convert_cmd::convert(args),
         Command::Quantize(args) => convert_cmd::quantize(args),
         Command::Info(args) => convert_cmd::info(args),
@@ -57,7 +84,16 @@ pub fn main() -> i32 {
         Command::Chat(args) => chat::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
-    };
+        Command::Run(args) => models::run(args),
+        Command::Pull(args) => models::pull(args),
+        Command::List(args) => models::list(args),
+        Command::Show(args) => models::show(args),
+        Command::Rm(args) => models::rm(args),
+        Command::Ps(args) => models::ps(args),
+    }
+}
+
+fn exit_code(result: anyhow::Result<()>) -> i32 {
     match result {
         Ok(()) => 0,
         Err(e) => {

@@ -11,8 +11,11 @@ use crate::runtime::{DeviceChoice, LoadOptions, MAX_CONTEXT, MAX_THREADS};
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
     /// GGUF model file.
-    #[arg(short = 'm', long = "model", required_unless_present = "hf_repo")]
+    #[arg(short = 'm', long = "model", required_unless_present_any = ["hf_repo", "model_arg"])]
     pub model: Option<PathBuf>,
+    /// The model as an argument (ollama's way): a GGUF file, or ORG/NAME[:QUANT] on the Hub.
+    #[arg(value_name = "MODEL", conflicts_with_all = ["model", "hf_repo"])]
+    pub model_arg: Option<String>,
     /// A GGUF repository on the Hugging Face Hub (llama.cpp's -hf): REPO[:QUANT] picks the file
     /// by its quant name (default Q4_K_M, else the only GGUF) and downloads only that file into
     /// the Hugging Face cache.
@@ -117,6 +120,9 @@ impl ModelArgs {
     pub fn model_path(&self) -> anyhow::Result<PathBuf> {
         if let Some(m) = &self.model {
             return Ok(m.clone());
+        }
+        if let Some(spec) = &self.model_arg {
+            return super::models::resolve(spec, true, !self.log_disable);
         }
         let spec = self.hf_repo.as_deref().unwrap_or_default();
         let (id, quant) = match spec.split_once(':') {

@@ -41,6 +41,7 @@ use self::api::ApiError;
 use self::body::{read_body, BodyLimits};
 pub use self::conn::ConnLimits;
 pub use self::cors::Cors;
+pub use self::ollama::ModelCard;
 use self::signals::Signals;
 use self::worker::{Job, Limits, Load, Shutdown};
 use crate::error::{Error, Result};
