@@ -54,7 +54,6 @@ def client_ttft(base, question):
 
 
 def page_ttft(d, question):
-    before = d.execute_script("return document.querySelectorAll('.msg.assistant').length")
     d.find_element(By.ID, "new-chat").click()
     d.find_element(By.ID, "prompt").send_keys(question)
     d.find_element(By.ID, "send").click()
@@ -62,9 +61,30 @@ def page_ttft(d, question):
 
     WebDriverWait(d, 60, poll_frequency=0.02).until(
         lambda _: d.execute_script("return !document.getElementById('send').disabled"))
-    del before
     return d.execute_script(
         "return JSON.parse(localStorage.getItem('refusion.conversations'))[0].messages[1].stats.firstTokenMs")
+
+
+# A bare fetch from the page's origin, timed to the first text (no page code involved).
+RAW_FETCH = """
+const done = arguments[arguments.length - 1];
+const t0 = performance.now();
+fetch('/v1/chat/completions', {method: 'POST', headers: {'Content-Type': 'application/json'},
+  body: JSON.stringify({messages: [{role: 'user', content: arguments[0]}], stream: true,
+                        decode_events: arguments[1]})})
+.then(async (res) => {
+  const reader = res.body.getReader();
+  const decoder = new TextDecoder();
+  let buf = '';
+  for (;;) {
+    const {value, done: end} = await reader.read();
+    if (end) break;
+    buf += decoder.decode(value, {stream: true});
+    if (/"delta":\\{"content":"[^"]/.test(buf)) { reader.cancel(); return done(performance.now() - t0); }
+  }
+  done(null);
+});
+"""
 
 
 def main():
@@ -85,10 +105,12 @@ def main():
         d.get(a.base + "/")
         wait(d, "document.getElementById('model').textContent.length > 0")
         load_ms = (time.perf_counter() - t0) * 1e3
-        client, page = [], []
+        client, page, fetch, fetch_events = [], [], [], []
         for _ in range(a.rounds):
             client.append(client_ttft(a.base, a.question))
             page.append(page_ttft(d, a.question))
+            fetch.append(d.execute_async_script(RAW_FETCH, a.question, False))
+            fetch_events.append(d.execute_async_script(RAW_FETCH, a.question, True))
     finally:
         d.quit()
     weight = page_weight(a.base)
@@ -97,6 +119,8 @@ def main():
         "page_load_ms": round(load_ms, 1),
         "ttft_ms_client_median": round(statistics.median(client), 1),
         "ttft_ms_page_median": round(statistics.median(page), 1),
+        "ttft_ms_browser_fetch_median": round(statistics.median(fetch), 1),
+        "ttft_ms_browser_fetch_with_steps_median": round(statistics.median(fetch_events), 1),
         "ttft_ms_client": [round(x, 1) for x in client],
         "ttft_ms_page": [round(x, 1) for x in page],
     }, indent=1))

@@ -17,7 +17,7 @@ fn post(server: &Server, path: &str, body: &[u8]) -> Option<(u16, String)> {
     let mut s = TcpStream::connect(server.addr()).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(60))).ok()?;
     let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes()).ok()?;

@@ -73,7 +73,7 @@ fn serve_takes_a_host_name_and_a_short_alias() {
     convert_quiet(&fixture_model("pub-a"), &out, "f32");
     let server = Server::start(&out, &["--host", "localhost", "-a", "my-model", "-cb"]);
     let mut s = TcpStream::connect(server.addr()).unwrap();
-    s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         .unwrap();
     let mut body = String::new();
     s.read_to_string(&mut body).unwrap();

@@ -44,7 +44,7 @@ fn request(
 ) -> (u16, String, String) {
     let mut s = connect(server);
     let mut msg = format!(
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n",
         body.len()
     );
     for h in headers {
@@ -148,7 +148,8 @@ fn the_api_key_is_required_and_compared_exactly() {
     // for (a body within the limit is read and dropped, so the client sees its 401).
     let mut s = connect(&server);
     s.write_all(
-        format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n").as_bytes(),
+        format!("POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10000000\r\n\r\n")
+            .as_bytes(),
     )
     .unwrap();
     let (status, _, b) = read_response(&mut s);
@@ -187,15 +188,17 @@ fn stalled_requests_and_idle_connections_time_out() {
     // Headers never finished: closed, no answer.
     let mut half_headers = connect(&server);
     half_headers
-        .write_all(format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Le").as_bytes())
+        .write_all(format!("POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Le").as_bytes())
         .unwrap();
     let sent = Instant::now();
     // A body shorter than its Content-Length: 408 with the error object, then closed.
     let mut short_body = connect(&server);
     short_body
         .write_all(
-            format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{{\"mess")
-                .as_bytes(),
+            format!(
+                "POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{{\"mess"
+            )
+            .as_bytes(),
         )
         .unwrap();
     // Connected, nothing sent.
@@ -203,7 +206,7 @@ fn stalled_requests_and_idle_connections_time_out() {
     // A keep-alive connection after one answered request.
     let mut keep_alive = connect(&server);
     keep_alive
-        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         .unwrap();
     let mut buf = [0u8; 1024];
     let n = keep_alive.read(&mut buf).unwrap();
@@ -234,7 +237,7 @@ fn a_slow_but_steady_client_is_not_cut_off_by_the_idle_timeout() {
     for part in [
         "GET /hea",
         "lth HTTP/1.1\r\n",
-        "Host: x\r\n",
+        "Host: localhost\r\n",
         "Connection: close\r\n",
         "\r\n",
     ] {
@@ -292,7 +295,7 @@ fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
         .map(|_| {
             let mut s = connect(&server);
             s.write_all(
-                format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{{")
+                format!("POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 50\r\n\r\n{{")
                     .as_bytes(),
             )
             .unwrap();
@@ -319,7 +322,7 @@ fn silent_connections_make_room_and_requests_in_flight_fill_the_cap() {
         .map(|_| {
             let mut s = connect(&server);
             let msg = format!(
-                "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{long_tokenize}",
+                "POST /tokenize HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n{long_tokenize}",
                 long_tokenize.len()
             );
             s.write_all(msg.as_bytes()).unwrap();
@@ -382,7 +385,7 @@ const LONG: &str = r#"{"messages":[{"role":"user","content":"hello"}],"max_token
 
 fn post_chat(s: &mut TcpStream, body: &str) {
     let msg = format!(
-        "POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     s.write_all(msg.as_bytes()).unwrap();
@@ -429,12 +432,13 @@ fn sigterm_cancels_the_generation_and_the_queue_and_closes_what_waits_at_once() 
     );
     let mut half_headers = connect(&server);
     half_headers
-        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
         .unwrap();
     let mut half_body = connect(&server);
     half_body
         .write_all(
-            format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{{").as_bytes(),
+            format!("POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 50\r\n\r\n{{")
+                .as_bytes(),
         )
         .unwrap();
     let mut idle = connect(&server);
@@ -618,7 +622,7 @@ fn the_header_limit_is_64_kib_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let server = Server::start(&fast_model(tmp.path()), &[]);
     let head = |total: usize| {
-        let base = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Pad: ";
+        let base = "GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nX-Pad: ";
         let pad = "a".repeat(total - base.len() - 4);
         let mut s = connect(&server);
         s.write_all(format!("{base}{pad}\r\n\r\n").as_bytes())
@@ -663,7 +667,7 @@ fn a_tokenize_answer_at_the_deadline_is_not_called_a_generation() {
         "hello world ".repeat(200_000)
     );
     let msg = format!(
-        "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /tokenize HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     s.write_all(msg.as_bytes()).unwrap();

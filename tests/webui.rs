@@ -130,7 +130,7 @@ fn the_page_in_a_browser() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tiny_f32(tmp.path());
     let server = Server::start(&m, &[]);
-    // REFUSION_SCREENSHOT=docs/img/serve-canvas.png keeps the screenshot docs/serve.md shows.
+    // REFUSION_SCREENSHOT=docs/img/serve-page.png keeps the screenshot docs/serve.md shows.
     let shot = std::env::var("REFUSION_SCREENSHOT")
         .unwrap_or_else(|_| tmp.path().join("page.png").display().to_string());
     let out = check(&server, "page", Some(&shot));

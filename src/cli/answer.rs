@@ -58,8 +58,12 @@ impl<'t> Output<'t> {
         }
     }
 
-    /// The streamed text's held-back tail.
+    /// The streamed text's held-back tail; the canvas's last picture (only the answer).
     pub(super) fn finish(&mut self) {
+        if self.visual {
+            self.canvas.settle();
+            self.canvas.draw(&mut self.stdout);
+        }
         if self.stream {
             if let Some(tail) = self.streamer.finish() {
                 let _ = self.stdout.write_all(tail.as_bytes());
@@ -209,6 +213,12 @@ impl Canvas {
     fn apply(&mut self, ev: &Event<'_>, tok: &Tokenizer) {
         self.trace.apply(ev);
         self.refresh(|t| tok.decode(&[t], false).unwrap_or_default());
+    }
+
+    /// The answer's end: what was never committed is masked again.
+    fn settle(&mut self) {
+        self.trace.settle();
+        self.refresh(|_| String::new());
     }
 
     /// The changed cells' texts.

@@ -387,7 +387,7 @@ impl Strategy for SlotDecoder {
     }
 
     /// The next forward, or done.
-    fn poll(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Result<Poll<'_>> {
+    fn poll(&mut self, _on_event: &mut dyn FnMut(Event<'_>)) -> Result<Poll<'_>> {
         match &self.phase {
             Phase::Done => return Ok(Poll::Done),
             Phase::Plan => self.build_plan(),
@@ -398,11 +398,6 @@ impl Strategy for SlotDecoder {
                 want(&mut self.batch, &mut self.logit_row, |b| b % k != k - 1);
             }
             Phase::Draft(inf) => {
-                on_event(Event::Infill {
-                    slot_starts: &inf.row_slot_starts,
-                    tokens: &inf.spec,
-                    tags: &inf.tags,
-                });
                 build_rows(&mut self.batch, inf, self.k, Some(self.p.mask_id));
                 // Only the masked tokens' predictions are read.
                 let width = self.k - inf.a;
@@ -437,7 +432,7 @@ impl Strategy for SlotDecoder {
         match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::Plan => self.after_plan(logits, cache, on_event),
             Phase::Verify(pl) => self.after_verify(pl, logits, cache, on_event),
-            Phase::Draft(inf) => self.after_draft(inf, logits, cache),
+            Phase::Draft(inf) => self.after_draft(inf, logits, cache, on_event),
             Phase::Recheck(inf) => self.after_recheck(inf, logits, cache, on_event),
             Phase::Done => Err(Error::internal("logits fed to a finished decoder")),
         }

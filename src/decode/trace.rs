@@ -62,6 +62,10 @@ pub struct Trace {
     changed: Vec<u32>,
     /// Marks `changed` entries already listed (no index twice per step).
     dirty: Vec<bool>,
+    /// Where slots lie: `(first index, slots)` per run of slots of `slot_size` (none for
+    /// left-to-right decoding).
+    slot_size: u32,
+    slot_runs: Vec<(u32, u32)>,
 }
 
 impl Trace {
@@ -80,14 +84,27 @@ impl Trace {
             ],
             changed: Vec::new(),
             dirty: vec![false; len],
+            slot_size: params.slot_size,
+            slot_runs: Vec::new(),
         };
-        if let (Kind::Infill, Some(template)) = (params.strategy, &params.template) {
-            let (tokens, positions) = template.known(prompt_len, params.slot_size);
-            for (p, tok) in positions.into_iter().zip(tokens) {
-                t.set(p, CellState::Given, tok);
+        let k = params.slot_size.max(1);
+        match (params.strategy, &params.template) {
+            (Kind::Autoregressive, _) => t.slot_size = 0,
+            (Kind::Infill, Some(template)) => {
+                let (tokens, positions) = template.known(prompt_len, k);
+                for (p, tok) in positions.into_iter().zip(tokens) {
+                    t.set(p, CellState::Given, tok);
+                }
+                t.slot_runs = template.gaps(0, k);
             }
+            _ => t.slot_runs = vec![(0, len as u32 / k)],
         }
         t
+    }
+
+    /// The slot size (0: no slots) and the runs of slots, `(first index, slots)`.
+    pub fn slots(&self) -> (u32, &[(u32, u32)]) {
+        (self.slot_size, &self.slot_runs)
     }
 
     pub fn cells(&self) -> &[Cell] {
@@ -161,6 +178,25 @@ impl Trace {
         };
         if *c != new {
             *c = new;
+            if !self.dirty[i] {
+                self.dirty[i] = true;
+                self.changed.push(i as u32);
+            }
+        }
+    }
+
+    /// The answer's end: cells that were never committed (drafts past the EOS, rows cut) are
+    /// masked again, so the last picture holds only the answer.
+    pub fn settle(&mut self) {
+        for i in 0..self.cells.len() {
+            let c = &mut self.cells[i];
+            if c.state.is_final() || c.state == CellState::Masked {
+                continue;
+            }
+            *c = Cell {
+                state: CellState::Masked,
+                token: None,
+            };
             if !self.dirty[i] {
                 self.dirty[i] = true;
                 self.changed.push(i as u32);
@@ -243,14 +279,36 @@ mod tests {
             .iter()
             .skip(4)
             .all(|c| c.state == CellState::Infilled));
+        assert_eq!(t.take_changes().len(), 4);
         // Final cells never change again, and outside positions are ignored.
         t.apply(&Event::Planned {
             slot_starts: &[10, 30],
             slot_size: 4,
             tokens: &[0; 8],
         });
-        assert_eq!(t.take_changes().len(), 4);
-        assert_eq!(t.cells()[0].token, Some(1));
         assert!(t.take_changes().is_empty());
+        assert_eq!(t.cells()[0].token, Some(1));
+    }
+
+    #[test]
+    fn settling_masks_what_was_never_committed() {
+        let mut t = Trace::new(&params(8, 4), 0);
+        t.apply(&Event::Planned {
+            slot_starts: &[0, 4],
+            slot_size: 4,
+            tokens: &[1, 2, 3, 4, 5, 6, 7, 8],
+        });
+        t.apply(&Event::Committed {
+            positions: &[0, 1, 2, 3],
+            tokens: &[1, 2, 3, 4],
+        });
+        t.take_changes();
+        t.settle();
+        let changed = t.take_changes();
+        assert_eq!(changed.len(), 4);
+        assert!(changed
+            .iter()
+            .all(|(i, c)| *i >= 4 && c.state == CellState::Masked && c.token.is_none()));
+        assert_eq!(t.cells()[0].state, CellState::Committed);
     }
 }

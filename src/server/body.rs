@@ -13,7 +13,7 @@ use super::api::ApiError;
 use super::conn::BodyWatch;
 
 /// What a request body may be (`--max-body-bytes`, `--body-timeout`).
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 pub struct BodyLimits {
     pub max_bytes: usize,
     pub timeout: Duration,

@@ -2,12 +2,14 @@
 //! to. Pages served from a loopback origin (`http://localhost:3000`, `http://127.0.0.1:5173`)
 //! and the server's own page are allowed, as ollama allows them; other origins only when named
 //! with `--cors-origin` (`*`, any origin, only together with `--api-key`). A request from any
-//! other origin is refused with 403 before it is read, preflights are answered here (before
-//! the API key is asked for: browsers send none with them).
+//! other origin is refused with 403 (its body drained, not used); preflights are answered here,
+//! before the API key is asked for (browsers send none with them).
 //!
-//! A server bound to loopback answers only to loopback host names and IP addresses: a page on
-//! `http://evil.example` whose name is made to resolve to 127.0.0.1 (DNS rebinding) reaches
-//! the port as its own origin, and only the `Host` header it sends gives it away.
+//! A server bound to loopback answers only to host names that cannot be made to point at it
+//! from outside: loopback names, IP addresses, this machine's own name, and the hosts of the
+//! `--cors-origin` origins (a reverse proxy's public name). A page on `http://evil.example`
+//! whose name is made to resolve to 127.0.0.1 (DNS rebinding) reaches the port as its own
+//! origin, and only the `Host` header it sends gives it away.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -21,23 +23,28 @@ use super::api::ApiError;
 use super::body::{discard_body, BodyLimits};
 use crate::error::{Error, Result};
 
-/// The origins allowed beyond loopback, and whether host names are checked.
-#[derive(Clone, Default)]
+/// The origins allowed beyond loopback, and the host names a loopback server answers to.
+#[derive(Clone)]
 pub struct Cors {
-    /// How a refused request's body is read and dropped.
-    body: Option<BodyLimits>,
     origins: Vec<String>,
     any: bool,
-    /// Bound to loopback: only loopback host names are answered.
+    /// Bound to loopback: only the host names below (and loopback ones) are answered.
     loopback_only: bool,
+    /// This machine's name and the `--cors-origin` hosts, lowercased.
+    hosts: Vec<String>,
+    /// How a refused request's body is read and dropped.
+    body: BodyLimits,
 }
 
 impl Cors {
     /// `--cors-origin` values (each `scheme://host[:port]`, or `*`), checked.
     pub fn new(origins: &[String], host: IpAddr, api_key: Option<&str>) -> Result<Cors> {
         let mut cors = Cors {
+            origins: Vec::new(),
+            any: false,
             loopback_only: host.is_loopback(),
-            ..Cors::default()
+            hosts: machine_name().into_iter().collect(),
+            body: BodyLimits::default(),
         };
         for o in origins {
             if o == "*" {
@@ -47,7 +54,10 @@ impl Cors {
                     ));
                 }
                 cors.any = true;
-            } else if let Some(origin) = parse_origin(o) {
+            } else if let Some(origin) = normalize_origin(o) {
+                if let Some(h) = origin.split_once("://").and_then(|(_, a)| host_name(a)) {
+                    cors.hosts.push(h.to_string());
+                }
                 cors.origins.push(origin);
             } else {
                 return Err(Error::msg(format!(
@@ -61,39 +71,76 @@ impl Cors {
     /// Refused requests' bodies are read (bounded) and dropped, so that the client reads its
     /// 403 instead of a reset.
     pub(super) fn with_body_limits(mut self, limits: BodyLimits) -> Cors {
-        self.body = Some(limits);
+        self.body = limits;
         self
     }
 
     /// A 403 for the request, its body drained first.
     async fn refuse(&self, req: Request, message: String) -> Response {
-        if let Some(limits) = self.body {
-            discard_body(req, limits).await;
-        }
+        discard_body(req, self.body).await;
         ApiError::new(StatusCode::FORBIDDEN, "forbidden", message).into_response()
     }
 
+    /// Whether a loopback server answers to this `Host` (`name[:port]`).
+    fn answers_to(&self, host: &str) -> bool {
+        let Some(name) = host_name(host) else {
+            return false;
+        };
+        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        is_loopback_host(&name)
+            || name.parse::<IpAddr>().is_ok()
+            || self.hosts.contains(&name)
+    }
+
     fn allows(&self, origin: &str, host: Option<&str>) -> bool {
+        let Some(origin) = normalize_origin(origin) else {
+            return false;
+        };
         self.any
-            || is_loopback_origin(origin)
-            || self.origins.iter().any(|o| o.eq_ignore_ascii_case(origin))
-            // The server's own page (its origin is the address the browser used).
+            || is_loopback_origin(&origin)
+            || self.origins.contains(&origin)
+            // The server's own page (its origin is the address the browser used, which the
+            // host check has let through).
             || host.is_some_and(|h| {
-                origin.eq_ignore_ascii_case(&format!("http://{h}"))
-                    || origin.eq_ignore_ascii_case(&format!("https://{h}"))
+                let h = h.to_ascii_lowercase();
+                [format!("http://{h}"), format!("https://{h}")]
+                    .iter()
+                    .any(|own| normalize_origin(own).as_deref() == Some(origin.as_str()))
             })
     }
 }
 
-/// `scheme://host[:port]` lowercased without a trailing slash, or `None`.
-fn parse_origin(s: &str) -> Option<String> {
-    let s = s.trim_end_matches('/');
+/// This machine's name (`hostname`) and its mDNS name, lowercased.
+fn machine_name() -> Vec<String> {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    if name.is_empty() {
+        return Vec::new();
+    }
+    vec![format!("{name}.local"), name]
+}
+
+/// `scheme://host[:port]` as a browser sends it: lowercased, no trailing slash, no default
+/// port; `None` for anything else (paths, credentials, wildcards, `null`).
+fn normalize_origin(s: &str) -> Option<String> {
+    let s = s.trim_end_matches('/').to_ascii_lowercase();
     let (scheme, rest) = s.split_once("://")?;
-    let ok = matches!(scheme, "http" | "https")
-        && !rest.is_empty()
-        && !rest.contains(['/', '?', '#', '@', ' '])
-        && host_name(rest).is_some_and(|h| !h.is_empty());
-    ok.then(|| s.to_ascii_lowercase())
+    let default_port = match scheme {
+        "http" => ":80",
+        "https" => ":443",
+        _ => return None,
+    };
+    let bad = rest.is_empty()
+        || rest.contains(['/', '?', '#', '@', ' ', '*'])
+        || host_name(rest).is_none_or(|h| h.is_empty());
+    if bad {
+        return None;
+    }
+    let rest = rest.strip_suffix(default_port).unwrap_or(rest);
+    Some(format!("{scheme}://{rest}"))
 }
 
 /// The host of `host[:port]` (`[::1]:8080` → `::1`).
@@ -105,65 +152,69 @@ fn host_name(authority: &str) -> Option<&str> {
     Some(authority.split(':').next().unwrap_or(authority))
 }
 
-/// `localhost`, `*.localhost` or a loopback address.
+/// `localhost`, `*.localhost`, `localhost.localdomain` or a loopback address.
 fn is_loopback_host(host: &str) -> bool {
     let host = host.trim_end_matches('.').to_ascii_lowercase();
     host == "localhost"
+        || host == "localhost.localdomain"
         || host.ends_with(".localhost")
         || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 fn is_loopback_origin(origin: &str) -> bool {
-    let Some((scheme, rest)) = origin.split_once("://") else {
-        return false;
-    };
-    matches!(scheme, "http" | "https") && host_name(rest).is_some_and(is_loopback_host)
+    origin
+        .split_once("://")
+        .and_then(|(_, rest)| host_name(rest))
+        .is_some_and(is_loopback_host)
 }
 
-/// A host name a loopback-bound server answers to: loopback names, any IP address (an address
-/// cannot be rebound), and names only this machine or network resolves (a name without a dot,
-/// such as the machine's own, `.local`, `.internal`): a rebinding page needs a public domain.
-fn answers_to(host: &str) -> bool {
-    let Some(name) = host_name(host) else {
-        return false;
-    };
-    let lower = name.trim_end_matches('.').to_ascii_lowercase();
-    is_loopback_host(name)
-        || lower.parse::<IpAddr>().is_ok()
-        || !lower.contains('.')
-        || lower.ends_with(".local")
-        || lower.ends_with(".internal")
+/// The host the request names: `Host`, else the request line's authority; `Err` when `Host`
+/// is there but unreadable.
+fn request_host(req: &Request) -> std::result::Result<Option<String>, ()> {
+    match req.headers().get(header::HOST) {
+        Some(v) => v.to_str().map(|s| Some(s.to_string())).map_err(|_| ()),
+        None => Ok(req.uri().authority().map(|a| a.to_string())),
+    }
 }
 
 /// Middleware, outermost: the host check, the origin check, preflights, and the
 /// `Access-Control-Allow-Origin` header on allowed cross-origin answers.
 pub(super) async fn cors(State(cors): State<Arc<Cors>>, req: Request, next: Next) -> Response {
-    let headers = req.headers();
-    let host = headers
-        .get(header::HOST)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
+    let host = match request_host(&req) {
+        Ok(h) => h,
+        Err(()) => {
+            return cors
+                .refuse(req, "the Host header is unreadable".into())
+                .await
+        }
+    };
     if let Some(h) = host
         .as_deref()
-        .filter(|h| cors.loopback_only && !answers_to(h))
+        .filter(|h| cors.loopback_only && !cors.answers_to(h))
     {
         let message = format!(
-            "host '{h}' is not this server: a server on loopback answers to localhost, IP addresses and local names only"
+            "host '{h}' is not this server: a server on loopback answers to localhost, IP addresses, this machine's name and the hosts of --cors-origin"
         );
         return cors.refuse(req, message).await;
     }
-    let Some(origin) = headers.get(header::ORIGIN).cloned() else {
-        return next.run(req).await;
+    let Some(origin) = req.headers().get(header::ORIGIN).cloned() else {
+        let mut res = next.run(req).await;
+        vary(res.headers_mut());
+        return res;
     };
     let text = origin.to_str().unwrap_or("").to_string();
     if !cors.allows(&text, host.as_deref()) {
-        let message = format!(
-            "origin '{text}' may not call this server: start refusion serve with --cors-origin {text}"
-        );
+        let hint = match normalize_origin(&text) {
+            Some(o) => format!("start refusion serve with --cors-origin {o}"),
+            None => "it is not an http(s) origin".to_string(),
+        };
+        let message = format!("origin '{text}' may not call this server: {hint}");
         return cors.refuse(req, message).await;
     }
     let preflight = req.method() == Method::OPTIONS
-        && headers.contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
+        && req
+            .headers()
+            .contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
     let mut res = if preflight {
         preflight_answer(req.headers())
     } else {
@@ -171,8 +222,13 @@ pub(super) async fn cors(State(cors): State<Arc<Cors>>, req: Request, next: Next
     };
     let h = res.headers_mut();
     h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, origin);
-    h.append(header::VARY, HeaderValue::from_static("Origin"));
+    vary(h);
     res
+}
+
+/// Answers depend on the `Origin` (caches must not mix them).
+fn vary(h: &mut HeaderMap) {
+    h.append(header::VARY, HeaderValue::from_static("Origin"));
 }
 
 /// 204 with the methods and headers the API takes.
@@ -192,6 +248,13 @@ fn preflight_answer(headers: &HeaderMap) -> Response {
         header::ACCESS_CONTROL_MAX_AGE,
         HeaderValue::from_static("600"),
     );
+    // Chromium asks before a public page may reach a private address (loopback).
+    if headers.contains_key("access-control-request-private-network") {
+        h.insert(
+            "access-control-allow-private-network",
+            HeaderValue::from_static("true"),
+        );
+    }
     res
 }
 
@@ -202,7 +265,7 @@ mod tests {
     #[test]
     fn origins_and_hosts() {
         let lo: IpAddr = "127.0.0.1".parse().unwrap();
-        let c = Cors::new(&["https://app.example.com/".into()], lo, None).unwrap();
+        let c = Cors::new(&["HTTPS://App.example.com:443/".into()], lo, None).unwrap();
         assert!(c.allows("http://localhost:3000", None));
         assert!(c.allows("http://127.0.0.1:5173", None));
         assert!(c.allows("http://[::1]:8080", None));
@@ -216,11 +279,27 @@ mod tests {
         assert!(Cors::new(&["*".into()], lo, Some("k"))
             .unwrap()
             .allows("http://x.y", None));
-        for bad in ["example.com", "ftp://x", "http://", "http://a/b"] {
+        for bad in [
+            "example.com",
+            "ftp://x",
+            "http://",
+            "http://a/b",
+            "http://*.x",
+        ] {
             assert!(Cors::new(&[bad.into()], lo, None).is_err(), "{bad}");
         }
-        assert!(answers_to("localhost:8080") && answers_to("127.0.0.1:1") && answers_to("[::1]:2"));
-        assert!(answers_to("192.168.1.2:80") && answers_to("box.local") && answers_to("mybox:80"));
-        assert!(!answers_to("evil.example:8080") && !answers_to("localhost.evil.net"));
+        for ok in ["localhost:8080", "127.0.0.1:1", "[::1]:2", "192.168.1.2:80"] {
+            assert!(c.answers_to(ok), "{ok}");
+        }
+        // The --cors-origin host (a reverse proxy's public name) too.
+        assert!(c.answers_to("app.example.com"));
+        for bad in [
+            "evil.example:8080",
+            "localhost.evil.net",
+            "mybox-not-mine",
+            "x.local",
+        ] {
+            assert!(!c.answers_to(bad), "{bad}");
+        }
     }
 }

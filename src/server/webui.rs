@@ -18,10 +18,12 @@ const APP_JS: &str = include_str!("webui/app.js");
 const APP_CSS: &str = include_str!("webui/app.css");
 const ICON: &str = include_str!("webui/icon.svg");
 
-/// The policy: this server's scripts, styles and icon, API calls to it, nothing else.
+/// The policy: this server's scripts, styles and icon, API calls to it, nothing else; and no
+/// string may ever become markup or script (Trusted Types with no policy: `innerHTML` and
+/// the like throw).
 pub(super) const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
      img-src 'self'; connect-src 'self'; base-uri 'none'; form-action 'none'; \
-     frame-ancestors 'none'";
+     frame-ancestors 'none'; require-trusted-types-for 'script'; trusted-types 'none'";
 
 /// Whether a path is the page's (answered without the API key).
 pub(super) fn is_page(path: &str) -> bool {

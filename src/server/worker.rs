@@ -429,6 +429,9 @@ impl<'a> Ctx<'a> {
                 }
             }
             Update::Finished(result) => {
+                if let Some(s) = &mut steps {
+                    let _ = tx.send(s.last());
+                }
                 let outcome = answer.finish(result, tokenizer, shutdown);
                 shutdown.end(&flag);
                 match outcome {
@@ -492,6 +495,8 @@ struct Steps<'t> {
     trace: Trace,
     tokenizer: &'t crate::chat::Tokenizer,
     step: usize,
+    /// Each token's text, decoded once (a planning step changes a whole block of cells).
+    texts: std::collections::HashMap<u32, String>,
 }
 
 impl<'t> Steps<'t> {
@@ -500,29 +505,50 @@ impl<'t> Steps<'t> {
             trace,
             tokenizer,
             step: 0,
+            texts: std::collections::HashMap::new(),
         }
     }
 
     /// `{"step": N, "length": POSITIONS, "cells": [[INDEX, STATE, TEXT], ...]}`: step 0 is
-    /// the answer before any forward (a template's given text), then one per forward.
+    /// the answer before any forward (a template's given text; with `slot_size` and
+    /// `slot_runs`, `[[FIRST INDEX, SLOTS], ...]`, where the slots lie), then one per forward.
     fn next(&mut self) -> Msg {
-        let cells: Vec<serde_json::Value> = self
-            .trace
-            .take_changes()
-            .into_iter()
-            .map(|(i, c)| {
-                let text = c
-                    .token
-                    .map(|t| self.tokenizer.decode(&[t], false).unwrap_or_default())
-                    .unwrap_or_default();
-                serde_json::json!([i, c.state.name(), text])
-            })
-            .collect();
-        let v = serde_json::json!({
+        self.event(false)
+    }
+
+    /// The answer's end (`"final": true`, not a forward): cells never committed are masked.
+    fn last(&mut self) -> Msg {
+        self.trace.settle();
+        self.event(true)
+    }
+
+    fn event(&mut self, last: bool) -> Msg {
+        let changes = self.trace.take_changes();
+        let mut cells = Vec::with_capacity(changes.len());
+        for (i, c) in changes {
+            let text = match c.token {
+                Some(t) => self
+                    .texts
+                    .entry(t)
+                    .or_insert_with(|| self.tokenizer.decode(&[t], false).unwrap_or_default())
+                    .clone(),
+                None => String::new(),
+            };
+            cells.push(serde_json::json!([i, c.state.name(), text]));
+        }
+        let mut v = serde_json::json!({
             "step": self.step,
             "length": self.trace.cells().len(),
             "cells": cells,
         });
+        if last {
+            v["final"] = serde_json::json!(true);
+        }
+        if self.step == 0 {
+            let (k, runs) = self.trace.slots();
+            v["slot_size"] = serde_json::json!(k);
+            v["slot_runs"] = serde_json::json!(runs);
+        }
         self.step += 1;
         Msg::Step(v.to_string())
     }

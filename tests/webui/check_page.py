@@ -67,11 +67,15 @@ def check_http(allowed_origin):
     text = body.decode()
     assert status == 200 and "event: refusion.step" in text, text[:500]
     steps = [json.loads(b.split("data: ", 1)[1]) for b in text.split("\n\n") if b.startswith("event: refusion.step")]
-    assert steps[0]["step"] == 0 and len(steps) >= 2 and all(s["length"] > 0 for s in steps), steps[:2]
+    assert steps[0]["step"] == 0 and len(steps) >= 3 and all(s["length"] > 0 for s in steps), steps[:2]
+    assert steps[0]["slot_size"] > 0 and steps[0]["slot_runs"][0][0] == 0, steps[0]
     assert any(c[1] == "committed" for s in steps for c in s["cells"]), steps
+    # The last is the answer's end (not a forward): what was drafted past the EOS is masked.
+    assert steps[-1].get("final") and not any(s.get("final") for s in steps[:-1]), steps[-1]
+    assert all(c[1] == "masked" for c in steps[-1]["cells"]), steps[-1]
     chunks = [json.loads(b[6:]) for b in text.split("\n\n") if b.startswith("data: {")]
     timings = chunks[-1]["timings"]
-    assert timings["forward_calls"] == len(steps) - 1 and timings["tpf"] > 0, (timings, len(steps))
+    assert timings["forward_calls"] == len(steps) - 2 and timings["tpf"] > 0, (timings, len(steps))
     status, _, body = request("/v1/chat/completions", "POST", dict(chat, decode_events=True), {"Content-Type": "application/json"})
     assert status == 400 and b"stream" in body, (status, body)
 
@@ -215,7 +219,14 @@ def check_key(key):
 
     d = browser()
     try:
+        from selenium.webdriver.common.keys import Keys
+
         d.get(base + "/")
+        wait(d, "document.getElementById('key-dialog').open")
+        # Escape gives up: the page says why instead of hanging; a reload asks again.
+        d.find_element(By.ID, "key-input").send_keys(Keys.ESCAPE)
+        wait(d, "document.getElementById('status').textContent.includes('needs an API key')")
+        d.refresh()
         wait(d, "document.getElementById('key-dialog').open")
         field = d.find_element(By.ID, "key-input")
         field.send_keys("wrong")

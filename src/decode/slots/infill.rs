@@ -31,6 +31,7 @@ impl SlotDecoder {
         mut inf: Infill,
         dl: &LogitsRef<'_>,
         cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
         let width = self.k - inf.a;
         cache.truncate_rows(inf.a)?;
@@ -42,6 +43,8 @@ impl SlotDecoder {
                 }
             }
         }
+        // The rows as this forward drafted them (their tags as before).
+        emit_rows(&inf, on_event);
         self.phase = Phase::Recheck(inf);
         Ok(())
     }
@@ -132,6 +135,8 @@ impl SlotDecoder {
         if inf.it >= self.k || inf.tags.iter().all(|r| r.iter().all(|&t| t)) {
             return self.finish_infill(inf, cache, on_event);
         }
+        // The rows as this forward verified them.
+        emit_rows(&inf, on_event);
         self.phase = Phase::Draft(inf);
         Ok(())
     }
@@ -197,6 +202,15 @@ impl SlotDecoder {
 /// An infill round's forward over the rows' unsettled tokens: the draft (`mask` given: the
 /// unverified tokens masked; its KV is dropped again) or the re-verification with the new
 /// tokens.
+/// The rows being infilled, for `--visual` and the server's steps.
+fn emit_rows(inf: &Infill, on_event: &mut dyn FnMut(Event<'_>)) {
+    on_event(Event::Infill {
+        slot_starts: &inf.row_slot_starts,
+        tokens: &inf.spec,
+        tags: &inf.tags,
+    });
+}
+
 pub(super) fn build_rows(b: &mut Batch, inf: &Infill, k: usize, mask: Option<u32>) {
     b.clear();
     for r in 0..inf.spec.len() {

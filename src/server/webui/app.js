@@ -16,7 +16,7 @@
   const GAP = /\{\{gap(?::\d+)?\}\}/g;
 
   const state = {
-    conversations: load(localStorage, STORE, []),
+    conversations: validConversations(load(localStorage, STORE, [])),
     current: null,
     busy: null, // the AbortController of the answer being decoded
     defaults: {},
@@ -30,6 +30,14 @@
     } catch (_) {
       return fallback;
     }
+  }
+
+  // Conversations as kept by this page (anything else in the store is dropped, not trusted).
+  function validConversations(v) {
+    if (!Array.isArray(v)) return [];
+    return v.filter((c) => c && typeof c.id === 'string' && typeof c.title === 'string' &&
+      Array.isArray(c.messages) &&
+      c.messages.every((m) => m && typeof m.role === 'string' && typeof (m.content || '') === 'string'));
   }
 
   function save() {
@@ -68,21 +76,30 @@
     }
   }
 
+  // The key, asked once for every caller waiting; Escape gives up (the calls fail).
+  let keyAsked = null;
   function askKey(error) {
-    return new Promise((resolve) => {
-      const dialog = $('key-dialog');
-      $('key-error').textContent = error;
-      $('key-input').value = '';
+    if (keyAsked) return keyAsked;
+    const dialog = $('key-dialog');
+    $('key-error').textContent = error;
+    $('key-input').value = '';
+    keyAsked = new Promise((resolve, reject) => {
       $('key-form').onsubmit = (e) => {
         e.preventDefault();
         const key = $('key-input').value.trim();
         if (!key) return;
         sessionStorage.setItem(KEY, key);
+        keyAsked = null;
         dialog.close();
         resolve();
       };
-      if (!dialog.open) dialog.showModal();
+      dialog.oncancel = () => {
+        keyAsked = null;
+        reject(new Error('this server needs an API key'));
+      };
     });
+    if (!dialog.open) dialog.showModal();
+    return keyAsked;
   }
 
   // ---- markdown, built as elements ----
@@ -158,6 +175,8 @@
   function newConversation() {
     if (state.busy) return;
     state.current = null;
+    state.trace = null;
+    $('decode').hidden = true;
     renderAll();
     $('prompt').focus();
   }
@@ -181,9 +200,13 @@
       del.onclick = () => {
         if (state.busy && c.id === state.current) return;
         state.conversations = state.conversations.filter((x) => x !== c);
-        if (state.current === c.id) state.current = null;
         save();
-        renderAll();
+        if (state.current === c.id) {
+          state.current = null;
+          renderAll();
+        } else {
+          renderList(); // the answer being written keeps its place
+        }
       };
       li.append(open, del);
       ul.append(li);
@@ -297,9 +320,8 @@
     }
   }
 
-  function startTrace(slotSize) {
-    state.trace = { length: 0, steps: [], slot: slotSize || 8 };
-    $('decode').hidden = false;
+  function startTrace() {
+    state.trace = { length: 0, steps: [], slot: 0, runs: [] };
     const slider = $('replay');
     slider.disabled = true;
     slider.max = 0;
@@ -310,22 +332,20 @@
     const t = state.trace;
     if (!t) return;
     t.length = step.length;
+    if (step.step === 0) {
+      t.slot = step.slot_size || 0;
+      t.runs = step.slot_runs || [];
+    }
     t.steps.push(step.cells);
+    if (step.final) t.final = true;
+    $('decode').hidden = false;
     const slider = $('replay');
     slider.max = t.steps.length - 1;
     slider.value = t.steps.length - 1;
     scheduleDraw();
   }
 
-  let drawQueued = false;
-  function scheduleDraw() {
-    if (drawQueued) return;
-    drawQueued = true;
-    requestAnimationFrame(() => {
-      drawQueued = false;
-      drawStep(parseInt($('replay').value, 10));
-    });
-  }
+  const scheduleDraw = throttled(() => drawStep(parseInt($('replay').value, 10)));
 
   // The cells after step `n` (each [state, text]).
   function cellsAt(n) {
@@ -345,6 +365,10 @@
     const ctx = canvas.getContext('2d');
     const slot = Math.max(1, t.slot);
     const cols = slot * Math.max(1, Math.floor(32 / slot));
+    const marks = new Set();
+    for (const [first, slots] of t.runs) {
+      for (let k = 0; k < slots && t.slot > 0; k++) marks.add(first + k * t.slot);
+    }
     let last = 0;
     cells.forEach((c, i) => { if (c && c[0] !== 'masked') last = i; });
     const shown = Math.min(t.length, (Math.floor(last / cols) + 2) * cols);
@@ -376,7 +400,7 @@
         ctx.fillText(text.replace(/\n/g, '⏎'), x + 2, y + ch / 2);
         ctx.restore();
       }
-      if (i % slot === 0) {
+      if (marks.has(i)) {
         ctx.fillStyle = '#475569';
         ctx.fillRect(x, y + 1, 1, ch - 2);
       }
@@ -384,7 +408,10 @@
     canvas.dataset.steps = String(t.steps.length);
     canvas.dataset.shownStep = String(n);
     canvas.dataset.committed = String(committed);
-    $('step-label').textContent = 'step ' + n + ' of ' + (t.steps.length - 1);
+    const forwards = t.steps.length - 1 - (t.final ? 1 : 0);
+    $('step-label').textContent = t.final && n === t.steps.length - 1
+      ? 'the answer (after ' + forwards + ' forwards)'
+      : 'step ' + n + ' of ' + forwards;
   }
 
   // ---- asking ----
@@ -397,7 +424,7 @@
     for (;;) {
       const { value, done } = await reader.read();
       if (done) break;
-      buf += decoder.decode(value, { stream: true });
+      buf += decoder.decode(value, { stream: true }).replace(/\r\n?/g, '\n');
       for (let i = buf.indexOf('\n\n'); i >= 0; i = buf.indexOf('\n\n')) {
         const block = buf.slice(0, i);
         buf = buf.slice(i + 2);
@@ -430,107 +457,136 @@
     return parts.map((t, i) => t + (i < parts.length - 1 ? ((m.fills || [])[i] || '') : '')).join('');
   }
 
-  async function send(e) {
-    e.preventDefault();
-    if (state.busy) return;
-    const text = $('prompt').value.trim();
-    if (!text) return;
-    const template = $('template').value;
-    const templated = GAP.test(template);
-    GAP.lastIndex = 0;
+  // The conversation to ask in (a new one when none is open).
+  function currentOrNew(title) {
     let c = conversation();
     if (!c) {
-      c = { id: String(Date.now()) + Math.random().toString(16).slice(2, 6), title: text.slice(0, 60), messages: [] };
+      c = { id: String(Date.now()) + Math.random().toString(16).slice(2, 6), title: title.slice(0, 60), messages: [] };
       state.conversations.unshift(c);
       state.current = c.id;
     }
+    return c;
+  }
+
+  function setBusy(controller) {
+    state.busy = controller;
+    $('send').disabled = !!controller;
+    $('stop').hidden = !controller;
+    status(controller ? 'decoding…' : '');
+  }
+
+  async function send(e) {
+    e.preventDefault();
+    if (state.busy) return;
+    const started = performance.now();
+    const text = $('prompt').value.trim();
+    if (!text) return;
+    const template = $('template').value;
+    const hasGap = template.split(GAP).length > 1;
+    if (template.trim() && !hasGap) {
+      status('the answer template has no {{gap}}: add one (Insert gap) or clear it');
+      return;
+    }
+    const c = currentOrNew(text);
     c.messages.push({ role: 'user', content: text });
     const answer = { role: 'assistant', content: '', done: false };
-    if (templated) {
+    if (hasGap) {
       answer.template = template;
       answer.fills = [];
     }
-    const body = Object.assign({ messages: apiMessages(c, templated ? template : null), stream: true, decode_events: true }, requestFields());
-    if (templated) body.infill = true;
+    const body = Object.assign({ messages: apiMessages(c, hasGap ? template : null), stream: true, decode_events: true }, requestFields());
+    if (hasGap) body.infill = true;
     c.messages.push(answer);
+    const controller = new AbortController();
+    setBusy(controller);
+    startTrace();
+    // The request goes out first; the page is drawn while the server decodes.
+    const response = api('/v1/chat/completions', body, controller.signal);
+    response.catch(() => {}); // handled below
     $('prompt').value = '';
     save();
     renderAll();
     const node = $('messages').lastChild;
-    const controller = new AbortController();
-    state.busy = controller;
-    $('send').disabled = true;
-    $('stop').hidden = false;
-    status('decoding…');
-    startTrace(body.slot_size || state.defaults.slot_size);
-    const started = performance.now();
-    let firstTokenMs = null;
-    let queued = false;
-    const redraw = () => {
-      if (queued) return;
-      queued = true;
-      requestAnimationFrame(() => {
-        queued = false;
-        renderMessage(answer, node);
-        $('messages').scrollTop = $('messages').scrollHeight;
-      });
-    };
+    const redraw = throttled(() => {
+      renderMessage(answer, node);
+      $('messages').scrollTop = $('messages').scrollHeight;
+    });
     try {
-      const res = await api('/v1/chat/completions', body, controller.signal);
+      const res = await response;
       if (!res.ok) {
         const err = await res.json().catch(() => ({}));
         throw new Error((err.error && err.error.message) || res.status + ' ' + res.statusText);
       }
-      await readEvents(res, (event, data) => {
-        if (event === 'refusion.step') {
-          addStep(JSON.parse(data));
-          return;
-        }
-        if (data === '[DONE]') return;
-        const chunk = JSON.parse(data);
-        if (chunk.error) throw new Error(chunk.error.message || 'the server failed');
-        const choice = (chunk.choices || [])[0];
-        const delta = (choice && choice.delta) || {};
-        if (delta.content) {
-          if (firstTokenMs === null) firstTokenMs = performance.now() - started;
-          if (typeof delta.gap === 'number' && answer.fills) {
-            answer.fills[delta.gap] = (answer.fills[delta.gap] || '') + delta.content;
-          } else {
-            answer.content += delta.content;
-          }
-          redraw();
-        }
-        if (chunk.timings) {
-          const t = chunk.timings;
-          answer.stats = {
-            tpf: t.tpf, tokensPerSecond: t.predicted_per_second, forwardCalls: t.forward_calls,
-            tokens: t.predicted_n, firstTokenMs,
-          };
-        }
-      });
+      await readEvents(res, (event, data) => onAnswerEvent(answer, event, data, started, redraw));
     } catch (err) {
       if (err.name === 'AbortError') answer.stopped = true;
       else answer.error = err.message;
     } finally {
-      if (answer.template) answer.content = stitch(answer);
-      answer.done = true;
-      state.busy = null;
-      $('send').disabled = false;
-      $('stop').hidden = true;
-      status('');
-      save();
-      renderMessage(answer, node);
-      const slider = $('replay');
-      slider.disabled = !state.trace || state.trace.steps.length < 2;
-      scheduleDraw();
+      controller.abort(); // a failure mid-stream closes the connection: the server stops
+      finishAnswer(answer, node);
     }
+  }
+
+  // One server-sent event of an answer: a decode step, or an OpenAI chunk.
+  function onAnswerEvent(answer, event, data, started, redraw) {
+    if (event === 'refusion.step') {
+      addStep(JSON.parse(data));
+      return;
+    }
+    if (data === '[DONE]') return;
+    const chunk = JSON.parse(data);
+    if (chunk.error) throw new Error(chunk.error.message || 'the server failed');
+    const choice = (chunk.choices || [])[0];
+    const delta = (choice && choice.delta) || {};
+    if (delta.content) {
+      if (answer.firstTokenMs === undefined) answer.firstTokenMs = performance.now() - started;
+      if (typeof delta.gap === 'number' && answer.fills) {
+        answer.fills[delta.gap] = (answer.fills[delta.gap] || '') + delta.content;
+      } else {
+        answer.content += delta.content;
+      }
+      redraw();
+    }
+    if (chunk.timings) {
+      const t = chunk.timings;
+      answer.stats = {
+        tpf: t.tpf, tokensPerSecond: t.predicted_per_second, forwardCalls: t.forward_calls,
+        tokens: t.predicted_n, firstTokenMs: answer.firstTokenMs ?? null,
+      };
+    }
+  }
+
+  function finishAnswer(answer, node) {
+    if (answer.template) answer.content = stitch(answer);
+    delete answer.firstTokenMs;
+    answer.done = true;
+    setBusy(null);
+    save();
+    renderMessage(answer, node);
+    const t = state.trace;
+    $('replay').disabled = !t || t.steps.length < 2;
+    if (t && t.steps.length) scheduleDraw();
+    else $('decode').hidden = true;
+  }
+
+  // f, at most once per animation frame.
+  function throttled(f) {
+    let queued = false;
+    return () => {
+      if (queued) return;
+      queued = true;
+      requestAnimationFrame(() => {
+        queued = false;
+        f();
+      });
+    };
   }
 
   function insertGap() {
     const t = $('template');
-    const at = t.selectionStart || t.value.length;
+    const at = t.selectionStart ?? t.value.length;
     const gap = '{{gap:16}}';
-    t.value = t.value.slice(0, at) + gap + t.value.slice(t.selectionEnd || at);
+    t.value = t.value.slice(0, at) + gap + t.value.slice(t.selectionEnd ?? at);
     t.focus();
     t.selectionStart = t.selectionEnd = at + gap.length;
   }
