@@ -263,7 +263,8 @@ fn ctrl_c_stops_the_current_answer_and_the_chat_goes_on() {
 }
 
 /// ollama's `/bye` and `/?`, "unknown command" for any other `/word`, and a failed `/load`
-/// that leaves the conversation as it was (the next turn still sees the first one).
+/// that leaves the conversation and its cache as they were (the next turn still sees the first
+/// one, from the cache: nothing is read again).
 #[test]
 fn commands_and_a_failed_load_keep_the_conversation() {
     let tmp = tempfile::tempdir().unwrap();
@@ -286,11 +287,14 @@ fn commands_and_a_failed_load_keep_the_conversation() {
         "{err}"
     );
     // Two answers (the line after /bye is never read), the second turn's prompt holding the
-    // first turn: more prompt tokens than the first, though its cache was dropped.
+    // first turn (more prompt tokens than the first), most of it from the cache.
     let r = reuse(&err);
     assert_eq!(r.len(), 2, "{err}");
-    assert_eq!(r[1].0, 0, "the failed load dropped the cache: {r:?}");
     assert!(r[1].1 > r[0].1 + 4, "the first turn was kept: {r:?}");
+    assert!(
+        r[1].0 >= r[0].1,
+        "the failed loads dropped the cache (the first turn's prompt was read again): {r:?}"
+    );
     // The saved conversation holds both turns: 4 messages.
     let (_, err) = chat(&model, &format!("/load {}\n/bye\n", saved.display()));
     assert!(err.contains("(loaded 4 messages"), "{err}");

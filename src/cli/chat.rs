@@ -67,24 +67,32 @@ fn restore<M: crate::model::Forward + ?Sized>(
     path: &Path,
     model_hash: u64,
 ) -> Result<()> {
-    // On any failure the conversation stays as it was; only the cache, which a failed read
-    // may have half overwritten, is rebuilt on the next turn.
-    let saved = match s.cache.load_prefix(path, model_hash) {
-        Ok(saved) => saved,
-        Err(e) => {
-            s.forget_cache();
-            return Err(e.into());
-        }
-    };
-    match serde_json::from_slice::<Vec<Message>>(&saved.extra) {
-        Ok(messages) => {
+    // A file refused (another model, corrupt, its messages unreadable) leaves the
+    // conversation and its cache as they were: every check comes before the cache is touched.
+    let mut messages = None;
+    let before = s.cache.available();
+    let loaded = s.cache.load_prefix_checked(path, model_hash, |extra| {
+        let m = serde_json::from_slice::<Vec<Message>>(extra)
+            .map_err(|_| "the saved conversation's messages are corrupt".to_string())?;
+        messages = Some(m);
+        Ok(())
+    });
+    match (loaded, messages) {
+        (Ok(saved), Some(messages)) => {
             s.set_cached(saved.tokens);
             s.messages = messages;
             Ok(())
         }
-        Err(_) => {
+        (Err(e), _) => {
+            // Only a failure while copying entries in (after every check) touched the cache.
+            if s.cache.available() != before {
+                s.forget_cache();
+            }
+            Err(e.into())
+        }
+        (Ok(_), None) => {
             s.forget_cache();
-            anyhow::bail!("the saved conversation's messages are corrupt")
+            anyhow::bail!("the saved conversation's messages are missing")
         }
     }
 }

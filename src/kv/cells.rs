@@ -340,6 +340,11 @@ impl Cells {
     }
 
     /// Free entries of a sequence's region: what a forward may still add.
+    /// Entries the sequence could hold once emptied (its region's length).
+    pub fn room(&self, id: SeqId) -> usize {
+        self.seq(id).map_or(0, |s| self.region(s.region).len)
+    }
+
     pub fn available(&self, id: SeqId) -> usize {
         self.seq(id).map_or(0, |s| {
             let used: usize = s.rows.iter().map(Vec::len).sum();

@@ -193,10 +193,20 @@ impl KvCache {
     }
 
     /// Replaces the default sequence's contents with a saved prefix. Any mismatch (another
-    /// model, cache type or shape, a truncated or corrupt file) is an error naming the problem,
-    /// and leaves the sequence empty.
+    /// model, cache type or shape, a truncated or corrupt file) is an error naming the problem.
     pub fn load_prefix(&mut self, path: &Path, model_hash: u64) -> Result<SavedPrefix> {
-        self.crop(0);
+        self.load_prefix_checked(path, model_hash, |_| Ok(()))
+    }
+
+    /// [`Self::load_prefix`], the caller's data first checked by `check_extra`. Everything is
+    /// checked before the sequence is touched: a file refused leaves it as it was (only a
+    /// failure while copying the entries in, after every check, leaves it empty).
+    pub fn load_prefix_checked(
+        &mut self,
+        path: &Path,
+        model_hash: u64,
+        check_extra: impl FnOnce(&[u8]) -> std::result::Result<(), String>,
+    ) -> Result<SavedPrefix> {
         let bad = |m: &str| Error::File(refusion_gguf::Error::bad(path, m));
         let io = |e: std::io::Error| Error::File(refusion_gguf::Error::io(path, e));
         let file = refusion_gguf::files::open_regular(path)?;
@@ -222,17 +232,20 @@ impl KvCache {
             return Err(bad("the file is corrupt (checksum mismatch)"));
         }
         let n = h.entries as usize;
-        if n > self.available() {
+        if n > self.cells.room(SeqId::DEFAULT) {
             return Err(bad(&format!(
                 "it holds {n} entries, more than the context ({})",
                 self.shape.capacity
             )));
         }
-        self.restore(body, n, h.extra_len as usize)
-            .map_err(|e| match e {
-                Error::Msg(m) => bad(&m),
-                e => e,
-            })
+        let extra_len = h.extra_len as usize;
+        check_positions(body, n).map_err(|m| bad(&m))?;
+        check_extra(&body[8 * n..8 * n + extra_len]).map_err(|m| bad(&m))?;
+        self.crop(0);
+        self.restore(body, n, extra_len).map_err(|e| match e {
+            Error::Msg(m) => bad(&m),
+            e => e,
+        })
     }
 
     /// Bytes of one entry of one head.
@@ -267,13 +280,6 @@ impl KvCache {
         let rd = |o: usize| u32::from_le_bytes([body[o], body[o + 1], body[o + 2], body[o + 3]]);
         let tokens: Vec<u32> = (0..n).map(|i| rd(4 * i)).collect();
         let positions: Vec<u32> = (0..n).map(|i| rd(4 * (n + i))).collect();
-        let mut seen = vec![false; n];
-        for &p in &positions {
-            match seen.get_mut(p as usize) {
-                Some(s) if !*s => *s = true,
-                _ => return Err(Error::msg("its positions are not 0..n")),
-            }
-        }
         let extra = body[8 * n..8 * n + extra_len].to_vec();
         let payload = &body[8 * n + extra_len..];
         let dst = self.cells.set_shared(SeqId::DEFAULT, &positions)?;
@@ -291,4 +297,18 @@ impl KvCache {
         self.moved += (n * self.shape.bytes_per_token(self.ty)) as u64;
         Ok(SavedPrefix { tokens, extra })
     }
+}
+
+/// The saved positions (after the `n` tokens) are each of 0..n once.
+fn check_positions(body: &[u8], n: usize) -> std::result::Result<(), String> {
+    let mut seen = vec![false; n];
+    for i in 0..n {
+        let o = 4 * (n + i);
+        let p = u32::from_le_bytes([body[o], body[o + 1], body[o + 2], body[o + 3]]);
+        match seen.get_mut(p as usize) {
+            Some(s) if !*s => *s = true,
+            _ => return Err("its positions are not 0..n".into()),
+        }
+    }
+    Ok(())
 }

@@ -180,7 +180,11 @@ fn saved_prefixes_round_trip_and_mismatches_are_refused() {
     );
     let e = d.load_prefix(&path, 43).unwrap_err().to_string();
     assert!(e.contains("another model"), "{e}");
-    assert_eq!(d.shared_len(), 0);
+    assert_eq!(
+        d.shared_positions(),
+        &[0, 2, 1],
+        "a refused file leaves the cache as it was"
+    );
     let mut h = KvCache::new(shape(), CacheType::F16).unwrap();
     assert!(h
         .load_prefix(&path, 42)

@@ -87,9 +87,7 @@ impl Cors {
             return false;
         };
         let name = name.trim_end_matches('.').to_ascii_lowercase();
-        is_loopback_host(&name)
-            || name.parse::<IpAddr>().is_ok()
-            || self.hosts.contains(&name)
+        is_loopback_host(&name) || name.parse::<IpAddr>().is_ok() || self.hosts.contains(&name)
     }
 
     fn allows(&self, origin: &str, host: Option<&str>) -> bool {
