@@ -427,3 +427,24 @@ fn triple_quotes_make_one_message_of_several_lines() {
     // The three lines are one prompt: longer than the one-line message's.
     assert!(turns[0].1 > 12, "{turns:?}");
 }
+
+/// Lines typed while an answer is being decoded wait in the terminal and are answered in turn
+/// (issue 33, item 5): three lines typed at once give three answers, none lost.
+#[test]
+fn lines_typed_during_an_answer_are_queued() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let mut t = Pty::chat(&model, tmp.path());
+    t.wait_for("> ");
+    t.keys("First line\rSecond line\rThird line\r");
+    for _ in 0..3 {
+        t.wait_for("prompt tokens from the cache]");
+    }
+    t.wait_for("> ");
+    t.keys("\x04");
+    assert!(t.child.wait().unwrap().success());
+    let out = t.out.lock().unwrap().clone();
+    for line in ["Second line", "Third line"] {
+        assert!(out.contains(line), "{line} was lost: {out}");
+    }
+}
