@@ -252,3 +252,50 @@ fn unsupported_request_fields_are_refused_by_name() {
         );
     }
 }
+
+/// llama-bench's lists (item 7): several models (`-m a,b` or `-m` repeated) and thread counts
+/// (`-t 1,2`) make one table, one header, a row per pair; `-o json` one array; a missing file
+/// or a bad count is refused before anything runs.
+#[test]
+fn bench_takes_lists_of_models_and_threads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a.gguf"), tmp.path().join("b.gguf"));
+    convert_quiet(&fixture_model("pub-a"), &a, "f32");
+    convert_quiet(&fixture_model("pub-a"), &b, "q8_0");
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let both = format!("{a},{b}");
+    let o = run(&["bench", "-m", &both, "-t", "1,2", "-p", "1", "-r", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let table = stdout(&o);
+    assert_eq!(table.matches("| model").count(), 1, "{table}");
+    let rows: Vec<&str> = table.lines().filter(|l| l.contains("pp1")).collect();
+    assert_eq!(rows.len(), 4, "{table}");
+    assert!(
+        rows[0].contains("F32") && rows[3].contains("Q8_0"),
+        "{table}"
+    );
+    let threads: Vec<&str> = rows
+        .iter()
+        .map(|r| r.split('|').nth(5).unwrap().trim())
+        .collect();
+    assert_eq!(threads, ["1", "2", "1", "2"], "{table}");
+    let o = run(&[
+        "bench", "-m", a, "-m", b, "-p", "1", "-r", "1", "-o", "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 2);
+    for (args, says) in [
+        (
+            vec!["-m", a, "-m", "/nonexistent.gguf"],
+            "no such model file",
+        ),
+        (vec!["-m", a, "-t", "1,x"], "expected a thread count"),
+    ] {
+        let mut full = vec!["bench", "-p", "1", "-r", "1"];
+        full.extend(args);
+        let o = run(&full);
+        assert_fails_with(&o, &[says]);
+        assert!(stdout(&o).is_empty(), "ran before refusing: {}", stdout(&o));
+    }
+}

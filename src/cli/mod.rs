@@ -61,7 +61,11 @@ enum Command {
 
 /// Runs the command line and returns the process exit code.
 pub fn main() -> i32 {
-    let cli = Cli::parse_from(std::env::args_os().map(llama_cpp_flag));
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().map(llama_cpp_flag).collect();
+    if let Some(code) = bench::lists::run_if_lists(&argv) {
+        return code;
+    }
+    let cli = Cli::parse_from(argv);
     quiet_on_closed_stdout(&cli.command);
     let result = dispatch(cli.command);
     exit_code(result)

@@ -287,7 +287,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         check_fits(&loaded, s, &prompts)?;
     }
     let line = ModelLine::of(&loaded, threads);
-    if table {
+    if table && !a.no_header {
         eprintln!(
             "{} {source}, each decoded once per setting after a warm-up",
             prompts.len()
@@ -312,7 +312,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             println!("{}", serde_json::Value::Array(all));
         }
         "csv" => {
-            println!("model,size,params,backend,threads,kernels,test,prompts,committed,seconds,tokens_per_s,stddev,tpf,forwards,fed_per_forward,forward_p50,forward_max,accuracy");
+            if !a.no_header {
+                println!("model,size,params,backend,threads,kernels,test,prompts,committed,seconds,tokens_per_s,stddev,tpf,forwards,fed_per_forward,forward_p50,forward_max,accuracy");
+            }
             for r in &rows {
                 println!("{}", line.decode_csv(r));
             }

@@ -2,6 +2,7 @@
 //! decoder's end to end (decode.rs).
 
 mod decode;
+pub mod lists;
 mod score;
 
 use std::time::Instant;
@@ -62,6 +63,9 @@ pub struct BenchArgs {
     /// Prompts per --decode setting.
     #[arg(long, default_value_t = 24, requires = "decode")]
     prompts: usize,
+    /// No table or CSV header (the later runs of a list of models or thread counts).
+    #[arg(long, hide = true)]
+    no_header: bool,
 }
 
 /// One test's result.
@@ -101,7 +105,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let cache = &mut cache;
     fill_prefix(&loaded, cache, a.prefix, vocab)?;
     let line = ModelLine::of(&loaded, threads);
-    if table {
+    if table && !a.no_header {
         if let Some(rss) = rss {
             eprintln!(
                 "resident memory after load: {} (file {})",
@@ -147,7 +151,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             println!("{}", serde_json::Value::Array(all));
         }
         "csv" => {
-            println!("model,size,params,backend,threads,kernels,test,n_tokens,prefix,tokens_per_s,stddev,ms_per_forward");
+            if !a.no_header {
+                println!("model,size,params,backend,threads,kernels,test,n_tokens,prefix,tokens_per_s,stddev,ms_per_forward");
+            }
             for r in &rows {
                 println!("{}", line.csv(r, a.prefix));
             }
