@@ -71,9 +71,14 @@ pub struct ConvertArgs {
     /// tokens, and its held-out questions for `bench --decode`).
     #[arg(long, value_name = "DIR", requires = "synthetic")]
     grow_from: Option<PathBuf>,
-    /// Tokenizer folder for --synthetic (default: the ReFusion tokenizer in this repository).
-    #[arg(long, value_name = "DIR", default_value = super::demo::TOKENIZER_DIR, requires = "synthetic", conflicts_with = "grow_from")]
-    tokenizer_dir: PathBuf,
+    /// Tokenizer folder for --synthetic (default: the ReFusion tokenizer this binary carries).
+    #[arg(
+        long,
+        value_name = "DIR",
+        requires = "synthetic",
+        conflicts_with = "grow_from"
+    )]
+    tokenizer_dir: Option<PathBuf>,
     /// Output file (default: <folder name>-<TYPE>.gguf in the current directory).
     #[arg(short, long)]
     outfile: Option<PathBuf>,
@@ -192,12 +197,18 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
             let cfg = refusion_convert::synthetic::shape(shape)?;
             match &a.grow_from {
                 Some(dir) => refusion_convert::grow::write_grown(&outfile, &cfg, dir, &opts)?,
-                None => refusion_convert::synthetic::write_synthetic(
-                    &outfile,
-                    &cfg,
-                    &a.tokenizer_dir,
-                    &opts,
-                )?,
+                None => {
+                    // The carried tokenizer, unless a folder is named (removed after).
+                    let carried;
+                    let dir = match &a.tokenizer_dir {
+                        Some(d) => d.as_path(),
+                        None => {
+                            carried = super::demo::EmbeddedTokenizer::write()?;
+                            carried.dir.as_path()
+                        }
+                    };
+                    refusion_convert::synthetic::write_synthetic(&outfile, &cfg, dir, &opts)?
+                }
             }
         }
         (_, None, Some(r)) => {
