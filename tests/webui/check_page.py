@@ -202,6 +202,18 @@ def check_page(screenshot):
         wait(d, "document.querySelectorAll('#conversations li').length === 3")
         d.find_elements(By.CSS_SELECTOR, "#conversations .open")[2].click()
         assert "85" in d.find_element(By.ID, "messages").text
+        # Two tabs: what one saves, the other shows and keeps when it saves in turn.
+        first_tab = d.current_window_handle
+        d.switch_to.new_window("tab")
+        d.get(base + "/")
+        wait(d, "document.querySelectorAll('#conversations li').length === 3")
+        ask(d, "What is 12 + 34?")
+        d.switch_to.window(first_tab)
+        wait(d, "document.querySelectorAll('#conversations li').length === 4")
+        d.find_element(By.ID, "new-chat").click()
+        ask(d, "What is 47 + 38?")
+        kept = d.execute_script("return JSON.parse(localStorage.getItem('refusion.conversations')).length")
+        assert kept == 5, kept
         # Nothing went wrong, and nothing was asked of another host.
         errors = console_errors(d)
         assert not errors, errors

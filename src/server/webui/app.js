@@ -21,6 +21,7 @@
     busy: null, // the AbortController of the answer being decoded
     defaults: {},
     trace: null, // {length, steps: [[[index, state, text], ...], ...]}
+    deleted: new Set(), // ids deleted here (not brought back from another tab's copy)
   };
 
   function load(store, key, fallback) {
@@ -40,7 +41,14 @@
       c.messages.every((m) => m && typeof m.role === 'string' && typeof (m.content || '') === 'string'));
   }
 
+  // Keeps this tab's conversations, and those another tab saved meanwhile (by id; this tab's
+  // version of one it also holds wins).
   function save() {
+    const others = validConversations(load(localStorage, STORE, []));
+    const mine = new Set(state.conversations.map((c) => c.id));
+    for (const c of others) {
+      if (!mine.has(c.id) && !state.deleted.has(c.id)) state.conversations.push(c);
+    }
     try {
       localStorage.setItem(STORE, JSON.stringify(state.conversations));
     } catch (e) {
@@ -200,6 +208,7 @@
       del.onclick = () => {
         if (state.busy && c.id === state.current) return;
         state.conversations = state.conversations.filter((x) => x !== c);
+        state.deleted.add(c.id);
         save();
         if (state.current === c.id) {
           state.current = null;
@@ -315,8 +324,10 @@
 
   function legend() {
     const box = $('legend');
-    for (const name of Object.keys(COLORS)) {
-      box.append(el('span', 'swatch sw-' + name), document.createTextNode(name));
+    for (const [name, color] of Object.entries(COLORS)) {
+      const swatch = el('span', 'swatch');
+      swatch.style.background = color; // one palette, the canvas's
+      box.append(swatch, document.createTextNode(name));
     }
   }
 
@@ -611,6 +622,12 @@
       $('settings-toggle').setAttribute('aria-expanded', String(!s.hidden));
     };
     window.addEventListener('resize', scheduleDraw);
+    // Another tab saved: take its conversations (unless this one is answering).
+    window.addEventListener('storage', (e) => {
+      if (e.key !== STORE || state.busy) return;
+      state.conversations = validConversations(load(localStorage, STORE, []));
+      renderList();
+    });
     renderAll();
     loadServerInfo();
   }
