@@ -173,6 +173,8 @@ pub struct LoadOptions {
     pub no_mmap: bool,
     /// Check every tensor's data before anything else (`--check-tensors`).
     pub check_tensors: bool,
+    /// The thread count is the default (one per CPU): a busy machine gets a note.
+    pub default_threads: bool,
     pub verbose: bool,
 }
 
@@ -329,6 +331,9 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
             load_seconds,
             crate::model::kquants::path_name(),
         );
+        if let Some(note) = busy_note().filter(|_| opts.default_threads) {
+            eprintln!("{note}");
+        }
     }
     Ok(Loaded {
         file,
@@ -445,5 +450,46 @@ mod tests {
         assert!(check_compute_cap("120", 12, 1).is_err());
         assert!(check_compute_cap("75", 8, 6).is_err());
         assert!(check_compute_cap("x", 8, 6).is_err());
+    }
+}
+
+/// With the default thread count (one per CPU), a note when other work already keeps the
+/// CPUs busy: the forward's threads then take turns with it. (Our pool yields and parks, so a
+/// busy machine costs a share, not a collapse: 94% of quiet speed kept with one of two cores
+/// taken, benches/README.md; the note says how to give the other work room.)
+fn busy_note() -> Option<String> {
+    let cpus = std::thread::available_parallelism().ok()?.get();
+    let load: f64 = std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    busy_note_for(load, cpus)
+}
+
+fn busy_note_for(load: f64, cpus: usize) -> Option<String> {
+    let idle = (cpus as f64 - load).floor();
+    (idle < cpus as f64 / 2.0 && cpus > 1).then(|| {
+        let fewer = (idle as usize).max(1);
+        format!(
+            "note: the machine is busy (load {load:.1} on {cpus} CPUs): all {cpus} threads share them with that work; -t {fewer} leaves it room"
+        )
+    })
+}
+
+#[cfg(test)]
+mod busy_tests {
+    #[test]
+    fn a_note_only_when_most_cpus_are_taken() {
+        assert!(super::busy_note_for(0.2, 2).is_none());
+        let note = super::busy_note_for(1.1, 2).unwrap();
+        assert!(
+            note.contains("load 1.1 on 2 CPUs") && note.contains("-t 1"),
+            "{note}"
+        );
+        assert!(super::busy_note_for(7.5, 8).unwrap().contains("-t 1"));
+        assert!(super::busy_note_for(3.0, 8).is_none());
+        assert!(super::busy_note_for(5.0, 1).is_none());
     }
 }

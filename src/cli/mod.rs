@@ -183,7 +183,7 @@ pub(crate) fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
             .filter(|c| n > c.get())
         {
             eprintln!(
-                "warning: -t {n} is more threads than the {cpus} CPUs this process may use;                  they will take turns, which is slower (-t {cpus} or fewer)"
+                "warning: -t {n} is more threads than the {cpus} CPUs this process may use; they will take turns, which is slower (-t {cpus} or fewer)"
             );
         }
         // candle reads RAYON_NUM_THREADS for its gemm parallelism; set before any use.
