@@ -172,6 +172,8 @@ pub struct MemoryPlan {
     /// The CPU layers' KV cache lives in a file (`--kv-file`), not in memory.
     pub kv_in_file: bool,
     pub context: usize,
+    /// Cache entries beyond the context (the server's room for answers).
+    pub kv_extra: usize,
     /// Tokens per forward chunk: the largest batch the scratch is reserved for.
     pub ubatch: usize,
 }
@@ -191,6 +193,8 @@ pub struct PlanRequest {
     pub host_available: Option<u64>,
     pub kv_in_file: bool,
     pub context: usize,
+    /// Cache entries the caller adds beyond the context (the server's room for answers).
+    pub kv_extra: usize,
     pub ubatch: usize,
 }
 
@@ -198,7 +202,8 @@ impl MemoryPlan {
     /// Places the layers and checks that every device can hold its share.
     pub fn new(sizes: &ModelSizes, req: &PlanRequest) -> Result<MemoryPlan, Box<Refused>> {
         let n = sizes.n_layers();
-        let ctx = req.context as u64;
+        // The cache's entries: what attention runs over and the KV holds.
+        let ctx = (req.context + req.kv_extra) as u64;
         let mut ub = req.ubatch.min(req.context.max(1)).max(1) as u64;
         if let Some(g) = &req.gpu {
             // Scores of a chunk grow with the context: shrink the chunk until its scratch
@@ -224,6 +229,7 @@ impl MemoryPlan {
             host_available: req.host_available,
             kv_in_file: req.kv_in_file,
             context: req.context,
+            kv_extra: req.kv_extra,
             ubatch: ub as usize,
         };
         plan.on_gpu = gpu_share(sizes, gpu_layers, output_on_gpu, ctx, ub);
@@ -376,8 +382,12 @@ impl fmt::Display for MemoryPlan {
         )?;
         write!(
             f,
-            "  context {} tokens{}; forwards run in chunks of up to {} tokens",
+            "  context {} tokens{}{}; forwards run in chunks of up to {} tokens",
             self.context,
+            match self.kv_extra {
+                0 => String::new(),
+                n => format!(" (+{n} cache entries for answers)"),
+            },
             if self.kv_in_file {
                 ", CPU layers' KV in the --kv-file"
             } else {
@@ -419,6 +429,7 @@ mod tests {
             host_available: Some(64 << 30),
             kv_in_file: false,
             context: 4096,
+            kv_extra: 0,
             ubatch: 512,
         }
     }

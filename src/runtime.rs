@@ -173,6 +173,9 @@ pub struct LoadOptions {
     pub no_mmap: bool,
     /// Check every tensor's data before anything else (`--check-tensors`).
     pub check_tensors: bool,
+    /// Cache entries the caller will allocate beyond the context (`serve`'s room for
+    /// answers), planned with it.
+    pub kv_extra: usize,
     /// The thread count is the default (one per CPU): a busy machine gets a note.
     pub default_threads: bool,
     pub verbose: bool,
@@ -375,6 +378,7 @@ fn load_weights(opts: &LoadOptions, file: &Arc<GgufFile>) -> Result<Weights> {
         host_available: available_memory(),
         kv_in_file: opts.kv_file.is_some(),
         context,
+        kv_extra: opts.kv_extra,
         ubatch: opts.ubatch,
     };
     let plan = MemoryPlan::new(&sizes, &request)

@@ -299,3 +299,57 @@ fn bench_takes_lists_of_models_and_threads() {
         assert!(stdout(&o).is_empty(), "ran before refusing: {}", stdout(&o));
     }
 }
+
+/// The memory plan counts the cache `serve` allocates (item 3): the context and its room for
+/// answers, not the context alone (it planned 12 MiB of KV and allocated 24).
+#[test]
+fn serve_plans_the_cache_it_allocates() {
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("tiny.gguf");
+    convert_quiet(&fixtures().join("../../models/refusion-tiny"), &m, "f32");
+    let mut child = std::process::Command::new(bin())
+        .args([
+            "serve",
+            "-m",
+            m.to_str().unwrap(),
+            "--port",
+            "0",
+            "-c",
+            "2048",
+            "-t",
+            "1",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = Vec::new();
+    for line in std::io::BufReader::new(child.stderr.take().unwrap()).lines() {
+        lines.push(line.unwrap());
+        // The worker allocates the cache beside the listener starting.
+        let seen = |n: &str| lines.iter().any(|l| l.contains(n));
+        if seen("listening on") && seen("KV cache:") {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = lines.join("\n");
+    // "KV  24.00 MiB" planned; "KV cache: ... (F32, 23.9 MiB)" allocated.
+    let planned: f64 = log
+        .split("KV ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no plan: {log}"));
+    let allocated: f64 = log
+        .split("(F32, ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no allocation: {log}"));
+    assert!(
+        (planned - allocated).abs() <= 0.02 * allocated,
+        "planned {planned} MiB, allocated {allocated} MiB:\n{log}"
+    );
+}

@@ -176,6 +176,7 @@ impl ModelArgs {
             no_mmap: self.no_mmap,
             check_tensors: self.check_tensors,
             default_threads: self.threads.is_none_or(|n| n == 0),
+            kv_extra: 0,
             verbose: verbose && !self.log_disable,
         })
     }

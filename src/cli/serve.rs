@@ -177,7 +177,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
         grace: seconds("--shutdown-timeout", a.shutdown_timeout)?,
         max_connections: a.max_connections,
     };
-    let loaded = load(&a.model.load_options(true)?)?;
+    // The worker's cache holds the context and room for an answer beyond it: planned so.
+    let mut opts = a.model.load_options(true)?;
+    opts.kv_extra = a.max_gen_length as usize;
+    let loaded = load(&opts)?;
     let base = a.decode.params(&loaded.file.header, &loaded.tokenizer)?;
     let model_name = a.alias.clone().unwrap_or_else(|| {
         loaded
