@@ -202,8 +202,10 @@ impl MemoryPlan {
     /// Places the layers and checks that every device can hold its share.
     pub fn new(sizes: &ModelSizes, req: &PlanRequest) -> Result<MemoryPlan, Box<Refused>> {
         let n = sizes.n_layers();
-        // The cache's entries: what attention runs over and the KV holds.
-        let ctx = (req.context + req.kv_extra) as u64;
+        // The cache's entries: what attention runs over and the KV holds. The room for answers
+        // never exceeds the context (the server lowers its limit to what fits).
+        let kv_extra = req.kv_extra.min(req.context);
+        let ctx = (req.context + kv_extra) as u64;
         let mut ub = req.ubatch.min(req.context.max(1)).max(1) as u64;
         if let Some(g) = &req.gpu {
             // Scores of a chunk grow with the context: shrink the chunk until its scratch
@@ -229,7 +231,7 @@ impl MemoryPlan {
             host_available: req.host_available,
             kv_in_file: req.kv_in_file,
             context: req.context,
-            kv_extra: req.kv_extra,
+            kv_extra,
             ubatch: ub as usize,
         };
         plan.on_gpu = gpu_share(sizes, gpu_layers, output_on_gpu, ctx, ub);
@@ -290,7 +292,7 @@ impl MemoryPlan {
             format!(
                 "the KV cache for {} tokens needs {} on the CPU but only {} of memory is available besides the weights; \
                  lower -c, use --cache-type f16, or back it with a file (--kv-file)",
-                self.context,
+                self.context + self.kv_extra,
                 human_bytes(c.kv),
                 human_bytes(avail - c.weights)
             )
