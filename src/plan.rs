@@ -124,10 +124,11 @@ impl ModelSizes {
 
     /// Working memory of one forward chunk of `n` tokens over a context of `context` entries:
     /// activations, attention scores (the largest part for long contexts) and, where the output
-    /// layer runs, the logits. The GPU path holds the scores of every head for one tile of the
-    /// context ([`ATTN_TILE`] entries) and a running output per head; the CPU kernel one head
-    /// per thread over the whole context (counted as two).
-    pub fn scratch(&self, n: u64, context: u64, logits: bool, gpu: bool) -> u64 {
+    /// layer runs, the logits of `logit_rows` tokens (and their copy out). The GPU path holds
+    /// the scores of every head for one tile of the context ([`ATTN_TILE`] entries) and a
+    /// running output per head; the CPU kernel one head per thread over the whole context
+    /// (counted as two).
+    pub fn scratch(&self, n: u64, context: u64, logit_rows: u64, gpu: bool) -> u64 {
         let qkv = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim;
         let activations = n * (6 * self.hidden + 2 * qkv + 3 * self.ffn) * 4;
         // Scores and their exponentials over a tile (GPU) or the whole context (CPU).
@@ -137,8 +138,7 @@ impl ModelSizes {
         } else {
             2 * 2 * n * context * 4
         };
-        let logits = if logits { 2 * n * self.vocab * 4 } else { 0 };
-        activations + scores + logits
+        activations + scores + 2 * logit_rows.min(n) * self.vocab * 4
     }
 }
 
@@ -148,11 +148,14 @@ pub struct Share {
     pub weights: u64,
     pub kv: u64,
     pub scratch: u64,
+    /// The process before any weight is read: the program, the file's metadata and the
+    /// tokenizer (host only; measured, not estimated).
+    pub program: u64,
 }
 
 impl Share {
     pub fn total(&self) -> u64 {
-        self.weights + self.kv + self.scratch
+        self.weights + self.kv + self.scratch + self.program
     }
 }
 
@@ -172,10 +175,25 @@ pub struct MemoryPlan {
     /// The CPU layers' KV cache lives in a file (`--kv-file`), not in memory.
     pub kv_in_file: bool,
     pub context: usize,
-    /// Cache entries beyond the context (the server's room for answers).
-    pub kv_extra: usize,
+    /// Entries of the cache the front end allocates (the context, the server's room for
+    /// answers, or what one `generate` needs).
+    pub kv_entries: usize,
+    /// Why the cache is not the context (a note for the plan's last line).
+    pub kv_note: Option<String>,
     /// Tokens per forward chunk: the largest batch the scratch is reserved for.
     pub ubatch: usize,
+}
+
+/// What a front end will ask of the model, where it knows before the weights load
+/// (`generate` does: one prompt, one answer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Workload {
+    /// Entries of the cache it allocates.
+    pub kv_entries: usize,
+    /// Tokens of its widest forward.
+    pub forward_tokens: usize,
+    /// The most tokens one forward asks logits for.
+    pub logit_rows: usize,
 }
 
 /// Why a plan was refused: a one-line reason (naming the flag to change) and the plan.
@@ -196,6 +214,11 @@ pub struct PlanRequest {
     /// Cache entries the caller adds beyond the context (the server's room for answers).
     pub kv_extra: usize,
     pub ubatch: usize,
+    /// What the front end will ask, when it knows; otherwise any forward of `ubatch` tokens
+    /// may ask logits for all of them.
+    pub workload: Option<Workload>,
+    /// Resident bytes of the process now, before the weights load.
+    pub program: u64,
 }
 
 impl MemoryPlan {
@@ -205,13 +228,21 @@ impl MemoryPlan {
         // The cache's entries: what attention runs over and the KV holds. The room for answers
         // never exceeds the context (the server lowers its limit to what fits).
         let kv_extra = req.kv_extra.min(req.context);
-        let ctx = (req.context + kv_extra) as u64;
+        let (kv_entries, kv_note) = match req.workload {
+            Some(w) => (w.kv_entries, Some("this prompt and its answer".to_string())),
+            None if kv_extra > 0 => (
+                req.context + kv_extra,
+                Some(format!("+{kv_extra} for answers")),
+            ),
+            None => (req.context, None),
+        };
+        let ctx = kv_entries as u64;
         let mut ub = req.ubatch.min(req.context.max(1)).max(1) as u64;
         if let Some(g) = &req.gpu {
             // Scores of a chunk grow with the context: shrink the chunk until its scratch
             // takes at most a quarter of the free VRAM.
             let budget = g.free.saturating_sub(GPU_RESERVE) / 4;
-            while ub > 16 && sizes.scratch(ub, ctx, true, true) > budget {
+            while ub > 16 && sizes.scratch(ub, ctx, ub, true) > budget {
                 ub /= 2;
             }
         }
@@ -231,8 +262,18 @@ impl MemoryPlan {
             host_available: req.host_available,
             kv_in_file: req.kv_in_file,
             context: req.context,
-            kv_extra,
+            kv_entries,
+            kv_note,
             ubatch: ub as usize,
+        };
+        // What the scratch is reserved for: the widest forward the front end makes (at most one
+        // chunk) and the logits it asks for, or any chunk with all its logits.
+        let (widest, rows) = match req.workload {
+            Some(w) => {
+                let widest = (w.forward_tokens.max(1) as u64).min(ub);
+                (widest, (w.logit_rows as u64).min(widest))
+            }
+            None => (ub, ub),
         };
         plan.on_gpu = gpu_share(sizes, gpu_layers, output_on_gpu, ctx, ub);
         let cpu_layers = gpu_layers..n;
@@ -251,7 +292,8 @@ impl MemoryPlan {
             } else {
                 cpu_layers.len() as u64 * sizes.kv_per_layer_token * ctx
             },
-            scratch: sizes.scratch(ub, ctx, !output_on_gpu, false),
+            scratch: sizes.scratch(widest, ctx, if output_on_gpu { 0 } else { rows }, false),
+            program: req.program,
         };
 
         match plan.refusal() {
@@ -275,9 +317,11 @@ impl MemoryPlan {
                 ));
             }
         }
+        // What is available is what the process does not hold yet: the program is already
+        // resident (and counted out of `MemAvailable`).
         let avail = self.host_available?;
         let c = self.on_cpu;
-        if c.total() <= avail {
+        if c.total() - c.program <= avail {
             return None;
         }
         Some(if c.weights > avail {
@@ -292,7 +336,7 @@ impl MemoryPlan {
             format!(
                 "the KV cache for {} tokens needs {} on the CPU but only {} of memory is available besides the weights; \
                  lower -c, use --cache-type f16, or back it with a file (--kv-file)",
-                self.context + self.kv_extra,
+                self.kv_entries,
                 human_bytes(c.kv),
                 human_bytes(avail - c.weights)
             )
@@ -317,7 +361,8 @@ fn gpu_share(sizes: &ModelSizes, layers: usize, output: bool, ctx: u64, ub: u64)
         weights: sizes.layer_weights[..layers].iter().sum::<u64>()
             + if output { sizes.output_weights } else { 0 },
         kv: layers as u64 * sizes.kv_per_layer_token * ctx,
-        scratch: sizes.scratch(ub, ctx, output, true),
+        scratch: sizes.scratch(ub, ctx, if output { ub } else { 0 }, true),
+        program: 0,
     }
 }
 
@@ -356,9 +401,13 @@ impl fmt::Display for MemoryPlan {
             None => writeln!(f, "memory plan: {} layers on the CPU", self.n_layers)?,
         }
         let line = |f: &mut fmt::Formatter<'_>, name: &str, s: &Share, of: String| {
+            let program = match s.program {
+                0 => String::new(),
+                p => format!("  program {:>10}", b(p)),
+            };
             writeln!(
                 f,
-                "  {name:<5} weights {:>10}  KV {:>10}  scratch {:>10}  total {:>10}{of}",
+                "  {name:<5} weights {:>10}  KV {:>10}  scratch {:>10}{program}  total {:>10}{of}",
                 b(s.weights),
                 b(s.kv),
                 b(s.scratch),
@@ -378,6 +427,7 @@ impl fmt::Display for MemoryPlan {
             "CPU",
             &self.on_cpu,
             match self.host_available {
+                Some(a) if self.on_cpu.program > 0 => format!(" ({} more available)", b(a)),
                 Some(a) => format!(" of {} available", b(a)),
                 None => String::new(),
             },
@@ -386,9 +436,9 @@ impl fmt::Display for MemoryPlan {
             f,
             "  context {} tokens{}{}; forwards run in chunks of up to {} tokens",
             self.context,
-            match self.kv_extra {
-                0 => String::new(),
-                n => format!(" (+{n} cache entries for answers)"),
+            match &self.kv_note {
+                None => String::new(),
+                Some(why) => format!(" (the cache holds {} entries: {why})", self.kv_entries),
             },
             if self.kv_in_file {
                 ", CPU layers' KV in the --kv-file"
@@ -433,6 +483,8 @@ mod tests {
             context: 4096,
             kv_extra: 0,
             ubatch: 512,
+            workload: None,
+            program: 0,
         }
     }
 
@@ -442,11 +494,11 @@ mod tests {
         let tile = ATTN_TILE as u64;
         // The GPU's scores cover one tile of the context at most; the CPU's the whole context.
         assert_eq!(
-            s.scratch(512, tile, true, true),
-            s.scratch(512, 32 * tile, true, true)
+            s.scratch(512, tile, 512, true),
+            s.scratch(512, 32 * tile, 512, true)
         );
-        assert!(s.scratch(512, tile / 2, true, true) < s.scratch(512, tile, true, true));
-        assert!(s.scratch(512, tile, true, false) < s.scratch(512, 32 * tile, true, false));
+        assert!(s.scratch(512, tile / 2, 512, true) < s.scratch(512, tile, 512, true));
+        assert!(s.scratch(512, tile, 512, false) < s.scratch(512, 32 * tile, 512, false));
         // So a long context keeps the full chunk on a 16 GiB card (whole-context scores would
         // have taken 4.3 GB, more than the quarter of free VRAM a chunk may use).
         let mut r = req(Some(16 << 30), GpuLayers::All);

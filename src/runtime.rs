@@ -6,14 +6,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Device;
-use refusion_gguf::GgufFile;
+use refusion_gguf::{GgufFile, GgufHeader};
 
 use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
 use crate::kv::claim::{claim, CacheFile};
 use crate::kv::{CacheType, KvCache};
 use crate::model::{Forward, Offload, Qwen3, Qwen3Config};
-use crate::plan::{GpuInfo, GpuLayers, MemoryPlan, ModelSizes, PlanRequest};
+use crate::plan::{GpuInfo, GpuLayers, MemoryPlan, ModelSizes, PlanRequest, Workload};
 
 /// Where the forward runs (`--device`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -271,14 +271,60 @@ fn type_census(file: &GgufFile) -> String {
 
 /// Resident memory of this process in bytes (Linux), for reports.
 pub fn resident_bytes() -> Option<u64> {
+    status_bytes("VmRSS:")
+}
+
+/// The most resident memory this process has held (Linux's high-water mark), for reports.
+pub fn peak_resident_bytes() -> Option<u64> {
+    status_bytes("VmHWM:")
+}
+
+fn status_bytes(key: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
 
 pub fn load(opts: &LoadOptions) -> Result<Loaded> {
+    load_for(opts, |_| Ok(None))
+}
+
+/// What [`load_for`]'s front end is shown before the weights load: the tokenizer, the file's
+/// metadata, the model's vocabulary and the context.
+pub struct BeforeWeights<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub header: &'a GgufHeader,
+    pub vocab: usize,
+    pub context: usize,
+}
+
+/// [`load`] for a front end that knows its workload once the tokenizer is built (`generate`:
+/// its prompt's length), so that the memory plan is of what it will use. An error from
+/// `workload` (a prompt beyond the context) stops the load before any weight is read.
+pub fn load_for<E: From<Error>>(
+    opts: &LoadOptions,
+    workload: impl FnOnce(BeforeWeights<'_>) -> std::result::Result<Option<Workload>, E>,
+) -> std::result::Result<Loaded, E> {
     let start = Instant::now();
+    let opened = open(opts)?;
+    let workload = workload(BeforeWeights {
+        tokenizer: &opened.tokenizer,
+        header: &opened.file.header,
+        vocab: opened.setup.cfg.vocab,
+        context: opened.setup.context,
+    })?;
+    Ok(finish_load(opts, opened, workload, start)?)
+}
+
+/// A model file opened, its tokenizer built, before any weight is read.
+struct Opened {
+    file: Arc<GgufFile>,
+    tokenizer: Tokenizer,
+    setup: Setup,
+}
+
+fn open(opts: &LoadOptions) -> Result<Opened> {
     crate::model::kquants::check_env().map_err(Error::msg)?;
     // Before anything loads: never a file of the user's, least of all the model itself.
     if let Some(kv) = &opts.kv_file {
@@ -296,31 +342,50 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded> {
         );
     }
     let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
-    // The tokenizer (a vocabulary and merge table to build) loads beside the weights; its
-    // errors still come first.
-    let (tokenizer, weights) = std::thread::scope(|scope| {
+    // The tokenizer (a vocabulary and merge table to build) loads beside the device and the
+    // config; the plan waits for it, so that it counts the process as it stands.
+    let (tokenizer, setup) = std::thread::scope(|scope| {
         let tokenizer = scope.spawn(|| Tokenizer::from_gguf(&file.header));
-        let weights = load_weights(opts, &file);
+        let setup = prepare(opts, &file);
         let tokenizer = tokenizer
             .join()
             .map_err(|_| Error::internal("building the tokenizer panicked"));
-        (tokenizer, weights)
+        (tokenizer, setup)
     });
     let tokenizer = tokenizer?.map_err(in_file)?;
+    let setup = setup.map_err(in_file)?;
+    if tokenizer.vocab_size() > setup.cfg.vocab {
+        return Err(in_file(Error::model(format!(
+            "the tokenizer has {} tokens but the model only {} embedding rows",
+            tokenizer.vocab_size(),
+            setup.cfg.vocab
+        ))));
+    }
+    Ok(Opened {
+        file,
+        tokenizer,
+        setup,
+    })
+}
+
+fn finish_load(
+    opts: &LoadOptions,
+    Opened {
+        file,
+        tokenizer,
+        setup,
+    }: Opened,
+    workload: Option<Workload>,
+    start: Instant,
+) -> Result<Loaded> {
+    let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
     let Weights {
         model,
         plan,
         context,
         device,
-    } = weights.map_err(in_file)?;
+    } = load_weights(opts, &file, setup, workload).map_err(in_file)?;
     let cfg = model.config();
-    if tokenizer.vocab_size() > cfg.vocab {
-        return Err(in_file(Error::model(format!(
-            "the tokenizer has {} tokens but the model only {} embedding rows",
-            tokenizer.vocab_size(),
-            cfg.vocab
-        ))));
-    }
     let load_seconds = start.elapsed().as_secs_f64();
     if opts.verbose {
         eprintln!(
@@ -359,12 +424,36 @@ struct Weights {
     device: Device,
 }
 
-/// The config, the context, the memory plan (checked before anything is allocated), then the
-/// weights where the plan puts them.
-fn load_weights(opts: &LoadOptions, file: &Arc<GgufFile>) -> Result<Weights> {
+/// What the plan starts from: the device, the config and the context.
+struct Setup {
+    device: Device,
+    cfg: Qwen3Config,
+    context: usize,
+}
+
+fn prepare(opts: &LoadOptions, file: &GgufFile) -> Result<Setup> {
     let device = opts.device.open()?;
     let cfg = Qwen3Config::from_gguf(&file.header)?;
     let context = context_for(opts.context, &cfg)?;
+    Ok(Setup {
+        device,
+        cfg,
+        context,
+    })
+}
+
+/// The memory plan (checked before anything is allocated), then the weights where the plan
+/// puts them.
+fn load_weights(
+    opts: &LoadOptions,
+    file: &Arc<GgufFile>,
+    Setup {
+        device,
+        cfg,
+        context,
+    }: Setup,
+    workload: Option<Workload>,
+) -> Result<Weights> {
     let gpu = gpu_info(&device);
     if gpu.is_none() {
         if let Some(GpuLayers::Count(n)) = opts.gpu_layers.filter(|&l| l != GpuLayers::Count(0)) {
@@ -380,6 +469,8 @@ fn load_weights(opts: &LoadOptions, file: &Arc<GgufFile>) -> Result<Weights> {
         context,
         kv_extra: opts.kv_extra,
         ubatch: opts.ubatch,
+        workload,
+        program: resident_bytes().unwrap_or(0),
     };
     let plan = MemoryPlan::new(&sizes, &request)
         .map_err(|r| Error::msg(format!("{}\n{}", r.reason, r.plan)))?;

@@ -393,6 +393,8 @@ fn every_command_refuses_bad_input_cleanly() {
             "5",
             "-c",
             "200000",
+            "-n",
+            "150000",
         ],
         &["the KV cache for", "--kv-file"],
     );

@@ -6,16 +6,10 @@ mod common;
 use common::*;
 use serde_json::Value;
 
-fn tiny_q8(dir: &std::path::Path) -> std::path::PathBuf {
-    let out = dir.join("tiny-Q8_0.gguf");
-    convert_quiet(&fixtures().join("../../models/refusion-tiny"), &out, "q8_0");
-    out
-}
-
 #[test]
 fn a_batch_gives_each_line_its_answer_in_input_order() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tiny_q8(tmp.path());
+    let model = trained_tiny_gguf(tmp.path(), "q8_0");
     let m = model.to_str().unwrap();
     let questions = [
         "What is 47 + 38?",

@@ -22,7 +22,7 @@ fn bench_json(model: &str, prompts: &str, extra: &[&str]) -> Vec<Value> {
 fn decode_rows_report_speed_tpf_forwards_and_accuracy_on_the_held_out_questions() {
     let tmp = tempfile::tempdir().unwrap();
     let f = tmp.path().join("tiny.gguf");
-    convert_quiet(&fixtures().join("../../models/refusion-tiny"), &f, "q8_0");
+    convert_quiet(&trained_tiny(), &f, "q8_0");
     let rows = bench_json(f.to_str().unwrap(), "4", &["--decode", "card,ar"]);
     assert_eq!(rows.len(), 2);
     let (card, ar) = (&rows[0], &rows[1]);

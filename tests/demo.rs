@@ -103,7 +103,7 @@ fn demo_json_is_generates_object_with_real_parallelism() {
 fn the_tiny_models_quantized_files_answer_alike_on_every_kernel_path() {
     use refusion::model::kquants::CpuPath;
     let tmp = tempfile::tempdir().unwrap();
-    let model = fixtures().join("../../models/refusion-tiny");
+    let model = trained_tiny();
     for outtype in ["q8_0", "q4_k_m"] {
         let file = tmp.path().join(format!("{outtype}.gguf"));
         convert_quiet(&model, &file, outtype);

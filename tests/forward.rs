@@ -273,7 +273,7 @@ fn tensor_bytes_read_from_the_file_match_the_map() {
 #[test]
 fn the_host_path_gives_the_tensor_paths_logits_to_the_bit() {
     let tmp = tempfile::tempdir().unwrap();
-    let ckpt = fixtures().join("../../models/refusion-tiny");
+    let ckpt = trained_tiny();
     for outtype in ["q8_0", "q4_k_m"] {
         let out = tmp.path().join(format!("{outtype}.gguf"));
         convert_quiet(&ckpt, &out, outtype);

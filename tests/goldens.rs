@@ -43,7 +43,7 @@ struct Goldens {
 
 fn model_dir(name: &str) -> std::path::PathBuf {
     if name == "refusion-tiny" {
-        fixtures().join("../../models/refusion-tiny")
+        trained_tiny()
     } else {
         fixture_model(name)
     }

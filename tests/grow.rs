@@ -18,7 +18,7 @@ use refusion_gguf::FileType;
 use serde_json::Value;
 
 fn tiny_dir() -> PathBuf {
-    fixtures().join("../../models/refusion-tiny")
+    trained_tiny()
 }
 
 /// A shape a few times the tiny model's with every kind of padding: 4 times the hidden size (the

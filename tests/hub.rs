@@ -34,7 +34,7 @@ fn setup() -> Setup {
     let pub_a = fixture_model("pub-a");
     let direct_path = dir.join("direct.gguf");
     convert_quiet(&pub_a, &direct_path, "f32");
-    let tiny = fixtures().join("../../models/refusion-tiny");
+    let tiny = trained_tiny();
     let (q8, q4) = (dir.join("tiny-Q8_0.gguf"), dir.join("tiny-Q4_K_M.gguf"));
     convert_quiet(&tiny, &q8, "q8_0");
     convert_quiet(&tiny, &q4, "q4_k_m");

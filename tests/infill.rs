@@ -25,7 +25,7 @@ fn goldens() -> Vec<Value> {
 
 fn model_dir(name: &str) -> std::path::PathBuf {
     if name == "refusion-tiny" {
-        fixtures().join("../../models/refusion-tiny")
+        trained_tiny()
     } else {
         fixture_model(name)
     }

@@ -9,18 +9,11 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::server::Server;
 use common::*;
 use serde_json::{json, Value};
-
-fn tiny_f32(dir: &Path) -> PathBuf {
-    let out = dir.join("tiny-f32.gguf");
-    convert_quiet(&fixtures().join("../../models/refusion-tiny"), &out, "f32");
-    out
-}
 
 fn cases() -> Vec<Value> {
     let text = std::fs::read_to_string(fixtures().join("goldens_infill.json")).unwrap();
@@ -57,7 +50,7 @@ fn ids_arg(v: &Value) -> String {
 #[test]
 fn generate_with_a_template_gives_the_reference_tokens() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = tiny_f32(tmp.path());
+    let m = trained_tiny_gguf(tmp.path(), "f32");
     let cases = cases();
     assert!(cases.len() >= 30, "{} templated cases", cases.len());
     let mut failures = Vec::new();
@@ -103,7 +96,7 @@ fn generate_with_a_template_gives_the_reference_tokens() {
 #[test]
 fn a_suffix_is_one_gap_before_its_text() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = tiny_f32(tmp.path());
+    let m = trained_tiny_gguf(tmp.path(), "f32");
     let base = [
         "generate",
         "-m",
@@ -148,7 +141,7 @@ fn a_suffix_is_one_gap_before_its_text() {
 #[test]
 fn bad_templates_are_refused_in_one_line() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = tiny_f32(tmp.path());
+    let m = trained_tiny_gguf(tmp.path(), "f32");
     let m = m.to_str().unwrap();
     let gen = |extra: &[&str]| {
         let mut a = vec!["generate", "-m", m, "-p", "What is 2 + 2?"];
@@ -268,7 +261,7 @@ fn merged(mut a: Value, b: &Value) -> Value {
 #[test]
 fn every_api_fills_the_gaps_as_the_reference() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = tiny_f32(tmp.path());
+    let m = trained_tiny_gguf(tmp.path(), "f32");
     let server = Server::start(&m, &["--parallel", "4"]);
     let cases = cases();
     // One gap then text: the suffix shape of OpenAI, llama-server and ollama.
@@ -384,7 +377,7 @@ fn every_api_fills_the_gaps_as_the_reference() {
 #[test]
 fn chat_completions_fill_an_answers_markers_when_asked() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = tiny_f32(tmp.path());
+    let m = trained_tiny_gguf(tmp.path(), "f32");
     let server = Server::start(&m, &[]);
     let held: Value = serde_json::from_str(
         &std::fs::read_to_string(fixtures().join("../../models/refusion-tiny/heldout.json"))
@@ -455,7 +448,7 @@ fn chat_completions_fill_an_answers_markers_when_asked() {
 #[test]
 fn template_mistakes_are_400s_naming_the_field() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = tiny_f32(tmp.path());
+    let m = trained_tiny_gguf(tmp.path(), "f32");
     let server = Server::start(&m, &["-c", "256"]);
     let chat = |answer: &str| {
         json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}],

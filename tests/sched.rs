@@ -199,7 +199,7 @@ fn tiny_params(file: &GgufFile) -> DecodeParams {
 #[test]
 fn a_requests_tokens_do_not_depend_on_its_neighbours_or_the_cache() {
     let tmp = tempfile::tempdir().unwrap();
-    let tiny = fixtures().join("../../models/refusion-tiny");
+    let tiny = trained_tiny();
     for outtype in ["q4_k_m", "q8_0"] {
         let path = tmp.path().join(format!("tiny-{outtype}.gguf"));
         let model = load(&tiny, &path, outtype);
@@ -261,7 +261,7 @@ fn a_requests_tokens_do_not_depend_on_its_neighbours_or_the_cache() {
 #[test]
 fn a_common_prompt_is_held_once_and_a_cancelled_neighbour_leaves_the_other_exact() {
     let tmp = tempfile::tempdir().unwrap();
-    let tiny = fixtures().join("../../models/refusion-tiny");
+    let tiny = trained_tiny();
     let path = tmp.path().join("tiny-q8_0.gguf");
     let model = load(&tiny, &path, "q8_0");
     let file = GgufFile::open(&path).unwrap();

@@ -13,18 +13,12 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use common::server::Server;
 use common::*;
-
-fn tiny_f32(dir: &Path) -> PathBuf {
-    let out = dir.join("tiny-f32.gguf");
-    convert_quiet(&fixtures().join("../../models/refusion-tiny"), &out, "f32");
-    out
-}
 
 /// Runs check_page.py in MODE against the server; returns its output (it must end with OK).
 fn check(server: &Server, mode: &str, arg: Option<&str>) -> String {
@@ -87,7 +81,7 @@ fn get(addr: &str, path: &str) -> (String, String) {
 #[test]
 fn headers_cors_and_decode_events() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = tiny_f32(tmp.path());
+    let m = trained_tiny_gguf(tmp.path(), "f32");
     let server = Server::start(&m, &["--cors-origin", "http://app.example.com"]);
     check(&server, "http", Some("http://app.example.com"));
     drop(server);
@@ -128,7 +122,7 @@ fn the_page_in_a_browser() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let m = tiny_f32(tmp.path());
+    let m = trained_tiny_gguf(tmp.path(), "f32");
     let server = Server::start(&m, &[]);
     // REFUSION_SCREENSHOT=docs/img/serve-page.png keeps the screenshot docs/serve.md shows.
     let shot = std::env::var("REFUSION_SCREENSHOT")
@@ -162,7 +156,7 @@ fn the_key_prompt_in_a_browser() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let m = tiny_f32(tmp.path());
+    let m = trained_tiny_gguf(tmp.path(), "f32");
     let server = Server::start(&m, &["--api-key", "s3cret-key"]);
     check(&server, "key", Some("s3cret-key"));
 }

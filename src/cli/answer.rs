@@ -2,6 +2,7 @@
 //! the `--visual` canvas (masks, drafts, verified and committed slots), and at the end the
 //! figures (`--json`'s object, or llama.cpp's lines on stderr).
 
+use refusion_convert::info::human_bytes;
 use std::io::{IsTerminal, Write};
 
 use super::generate::GenerateArgs;
@@ -84,6 +85,10 @@ pub(super) struct Report<'r> {
     pub(super) load_s: f64,
     pub(super) decode_s: f64,
     pub(super) total_s: f64,
+    /// The host's share of the memory plan printed at load, and the process's peak resident
+    /// memory at the end (Linux), so that the two can be compared.
+    pub(super) planned_host_bytes: u64,
+    pub(super) peak_resident_bytes: Option<u64>,
 }
 
 impl Report<'_> {
@@ -127,6 +132,10 @@ impl Report<'_> {
                 "total_ms": self.total_s * 1e3,
                 "tokens_per_s": self.tokens_per_s(),
             },
+            "memory": {
+                "planned_host_bytes": self.planned_host_bytes,
+                "peak_resident_bytes": self.peak_resident_bytes,
+            },
         })
     }
 
@@ -160,6 +169,13 @@ impl Report<'_> {
             r.forward_tokens as f64 / r.forward_calls.max(1) as f64,
             r.tpf
         );
+        if let Some(peak) = self.peak_resident_bytes {
+            eprintln!(
+                "refusion: memory        = {:>10} peak resident (the plan: {} on the host)",
+                human_bytes(peak),
+                human_bytes(self.planned_host_bytes)
+            );
+        }
     }
 }
 

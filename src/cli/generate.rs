@@ -15,7 +15,8 @@ use super::model_args::ModelArgs;
 use crate::chat::{ChatTemplate, Message, Tokenizer};
 use crate::decode::DecodeParams;
 use crate::kv::claim::{claim, CacheFile};
-use crate::runtime::load;
+use crate::plan::Workload;
+use crate::runtime::{load, load_for};
 use crate::session::Session;
 
 #[derive(Args)]
@@ -339,6 +340,31 @@ fn parse_strategy(s: &str) -> std::result::Result<crate::decode::Kind, String> {
     s.parse()
 }
 
+/// Cache entries one request needs: its prompt, its answer and the decoder's speculative rows.
+fn cache_entries(params: &DecodeParams, prompt_len: usize) -> usize {
+    prompt_len + params.answer_len() as usize + params.strategy.scratch(params)
+}
+
+/// What one request asks of the model, for the memory plan: its cache, its widest forward (the
+/// prompt with the first planning forward's masks; a later forward feeds at most two serial
+/// blocks' rows) and the logits of at most two blocks. A prompt and answer beyond the context
+/// are refused here, before the weights load.
+fn workload(params: &DecodeParams, prompt_len: usize, context: usize) -> Result<Workload> {
+    let gen = params.answer_len() as usize;
+    if prompt_len + gen > context {
+        bail!(
+            "the prompt ({prompt_len} tokens) and the gen length ({gen}) need {} tokens, more than the context of {context} (raise -c or lower -n)",
+            prompt_len + gen,
+        );
+    }
+    let block = params.strategy.scratch(params);
+    Ok(Workload {
+        kv_entries: cache_entries(params, prompt_len),
+        forward_tokens: prompt_len + 2 * block,
+        logit_rows: 2 * block,
+    })
+}
+
 /// The text of `-f FILE` (`-f -`: standard input), read before the model loads.
 fn read_prompt_file(path: &std::path::Path) -> Result<String> {
     if path.as_os_str() == "-" {
@@ -378,22 +404,18 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         _ => None,
     };
     let start = Instant::now();
-    let loaded = load(&opts)?;
-    let infill = a.templated();
-    let params = a
-        .decode
-        .params_for(&loaded.file.header, &loaded.tokenizer, infill)?;
-    let params = a.with_template(params, &loaded)?;
-    let prompt = a.prompt_of(&loaded, file_text.as_deref())?;
-    let gen = params.answer_len() as usize;
-    if prompt.len() + gen > loaded.context {
-        bail!(
-            "the prompt ({} tokens) and the gen length ({gen}) need {} tokens, more than the context of {} (raise -c or lower -n)",
-            prompt.len(),
-            prompt.len() + gen,
-            loaded.context
-        );
-    }
+    // The parameters and the prompt's tokens come before the weights: a prompt beyond the
+    // context is refused without reading them, and the memory plan is of this request.
+    let mut request = None;
+    let loaded = load_for(&opts, |m| -> Result<_> {
+        let params = a.decode.params_for(m.header, m.tokenizer, a.templated())?;
+        let params = a.with_template(params, m.tokenizer, m.vocab)?;
+        let prompt = a.prompt_of(m.tokenizer, m.header, file_text.as_deref())?;
+        let workload = workload(&params, prompt.len(), m.context)?;
+        request = Some((params, prompt));
+        Ok(Some(workload))
+    })?;
+    let (params, prompt) = request.context("internal error: the request was not prepared")?;
     let mut session = a.session(&loaded, &params, &prompt)?;
     let mut out = Output::new(&a, &loaded.tokenizer, &prompt, &params);
     let decode_start = Instant::now();
@@ -415,6 +437,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         load_s: loaded.load_seconds,
         decode_s,
         total_s: start.elapsed().as_secs_f64(),
+        planned_host_bytes: loaded.plan.on_cpu.total(),
+        peak_resident_bytes: crate::runtime::peak_resident_bytes(),
     };
     if a.json {
         println!("{}", report.json());
@@ -465,14 +489,14 @@ impl GenerateArgs {
     fn with_template(
         &self,
         params: DecodeParams,
-        loaded: &crate::runtime::Loaded,
+        tokenizer: &Tokenizer,
+        vocab: usize,
     ) -> Result<DecodeParams> {
         let Some(pieces) = self.template_pieces(params.gen_length) else {
             return Ok(params);
         };
         let pieces = pieces?;
-        let t = crate::decode::Template::from_text(&pieces, |s| loaded.tokenizer.encode(s))?;
-        let vocab = crate::model::Forward::config(&loaded.model).vocab;
+        let t = crate::decode::Template::from_text(&pieces, |s| tokenizer.encode(s))?;
         t.validate_for(params.mask_id, vocab, params.slot_size)?;
         let params = params.with_template(t);
         params.validate()?;
@@ -482,10 +506,10 @@ impl GenerateArgs {
     /// before the model loaded), through the chat template unless told otherwise.
     fn prompt_of(
         &self,
-        loaded: &crate::runtime::Loaded,
+        tok: &Tokenizer,
+        header: &GgufHeader,
         file_text: Option<&str>,
     ) -> Result<Vec<u32>> {
-        let (tok, header) = (&loaded.tokenizer, &loaded.file.header);
         let text = match (&self.prompt_ids, &self.prompt, file_text) {
             (Some(ids), _, _) if ids.is_empty() => bail!("the prompt is empty"),
             (Some(ids), _, _) => return Ok(ids.clone()),
@@ -505,8 +529,7 @@ impl GenerateArgs {
         params: &DecodeParams,
         prompt: &[u32],
     ) -> Result<Session<'m, crate::model::Qwen3>> {
-        let scratch = params.strategy.scratch(params);
-        let cache = loaded.new_cache(loaded.context + scratch)?;
+        let cache = loaded.new_cache(cache_entries(params, prompt.len()))?;
         let mut session = Session::new(&loaded.model, &loaded.tokenizer, None, cache);
         let Some(path) = &self.prompt_cache else {
             return Ok(session);

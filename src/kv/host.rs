@@ -121,7 +121,9 @@ fn open_cache_file(
 
 impl HostStore {
     /// The map for layers `first_layer..shape.n_layers`, backed by `path` when given (see
-    /// `open_cache_file`). Pages are only touched as entries are written.
+    /// `open_cache_file`; its pages are written as entries are). Anonymous memory is made
+    /// resident now (`MAP_POPULATE`), as llama.cpp clears its cache buffer: the memory plan
+    /// printed at load is then what the process holds, not a bound it grows into later.
     pub fn new(
         shape: &CacheShape,
         first_layer: usize,
@@ -134,11 +136,15 @@ impl HostStore {
             .ok_or_else(|| Error::msg("KV cache size overflows"))?;
         let mut _file = None;
         let mmap = match path {
-            None => MmapMut::map_anon(bytes.max(1)).map_err(|e| {
-                Error::msg(format!(
-                    "cannot reserve {bytes} bytes for the KV cache: {e}"
-                ))
-            })?,
+            None => MmapOptions::new()
+                .len(bytes.max(1))
+                .populate()
+                .map_anon()
+                .map_err(|e| {
+                    Error::msg(format!(
+                        "cannot reserve {bytes} bytes for the KV cache: {e}"
+                    ))
+                })?,
             Some(p) => {
                 let (file, map) = open_cache_file(p, shape, first_layer, ty, bytes)?;
                 _file = Some(file);

@@ -124,7 +124,7 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// An anonymous (RAM/swap-backed) cache. Pages are only touched as entries are written.
+    /// An anonymous (RAM/swap-backed) cache, resident from the start (see `HostStore::new`).
     pub fn new(shape: CacheShape, ty: CacheType) -> Result<KvCache> {
         Self::placed(shape, ty, None, None)
     }

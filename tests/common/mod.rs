@@ -382,6 +382,18 @@ pub fn convert_quiet(dir: &Path, out: &Path, outtype: &str) {
 }
 
 /// A tiny model with the real ReFusion vocabulary, converted to Q8_0 in `dir`.
+/// The trained tiny ReFusion's Hugging Face folder (`models/refusion-tiny`).
+pub fn trained_tiny() -> PathBuf {
+    fixtures().join("../../models/refusion-tiny")
+}
+
+/// The trained tiny ReFusion converted to `outtype` in `dir` (`tiny-OUTTYPE.gguf`).
+pub fn trained_tiny_gguf(dir: &Path, outtype: &str) -> PathBuf {
+    let out = dir.join(format!("tiny-{outtype}.gguf"));
+    convert_quiet(&trained_tiny(), &out, outtype);
+    out
+}
+
 pub fn tiny_refusion_gguf(dir: &Path) -> PathBuf {
     let ckpt = dir.join("ckpt");
     build_refusion_vocab_checkpoint(&ckpt, TokLayout::Fast);

@@ -119,8 +119,8 @@ fn every_type_matches_the_dequantized_product() {
     }
     for ty in TYPES {
         // 37 rows: two packed runs and a 5-row tail; 1..9 tokens: every tile width; 16 and
-        // more: AMX's pieces of 16, alone and with a tail.
-        for m in [1, 2, 3, 4, 5, 9, 16, 35] {
+        // more: AMX's pieces of 16, alone, several, and with a tail.
+        for m in [1, 2, 3, 4, 5, 9, 16, 35, 51, 64] {
             check(ty, 37, 512, m);
         }
         check(ty, 16, 2048, 4);
