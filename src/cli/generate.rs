@@ -346,9 +346,10 @@ fn cache_entries(params: &DecodeParams, prompt_len: usize) -> usize {
 }
 
 /// What one request asks of the model, for the memory plan: its cache, its widest forward (the
-/// prompt with the first planning forward's masks; a later forward feeds at most two serial
-/// blocks' rows) and the logits of at most two blocks. A prompt and answer beyond the context
-/// are refused here, before the weights load.
+/// prompt, or a block's committed tokens, fed with a planning forward's masks) and the logits
+/// of at most one serial block (a planning forward's masks; a verification, draft or recheck
+/// reads fewer). A prompt and answer beyond the context are refused here, before the weights
+/// load.
 fn workload(params: &DecodeParams, prompt_len: usize, context: usize) -> Result<Workload> {
     let gen = params.answer_len() as usize;
     if prompt_len + gen > context {
@@ -360,8 +361,8 @@ fn workload(params: &DecodeParams, prompt_len: usize, context: usize) -> Result<
     let block = params.strategy.scratch(params);
     Ok(Workload {
         kv_entries: cache_entries(params, prompt_len),
-        forward_tokens: prompt_len + 2 * block,
-        logit_rows: 2 * block,
+        forward_tokens: prompt_len.max(block) + block,
+        logit_rows: block,
     })
 }
 

@@ -25,7 +25,11 @@ impl Linear {
             return None;
         }
         let (rows, k) = (rows as usize, k as usize);
-        let packed = PackedMatrix::pack(info.ty, rows, k, file.tensor_data(info));
+        // The file's pages go as each slab is packed (not read again).
+        let packed =
+            PackedMatrix::pack_releasing(info.ty, rows, k, file.tensor_data(info), |at, len| {
+                file.release(info, at as u64, len as u64)
+            });
         Some(Linear::Packed(packed))
     }
 

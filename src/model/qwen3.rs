@@ -120,8 +120,7 @@ impl Loader<'_> {
         let t = self.info(name)?;
         if self.device.is_cpu() {
             if let Some(l) = Linear::packed(self.file, t) {
-                // Packed: the file's pages are not read again.
-                self.file.release(t, 0, t.n_bytes);
+                // Packed, the file's pages released as it went.
                 return Ok(l);
             }
         }

@@ -285,10 +285,65 @@ pub struct PackedMatrix {
     tiles: Vec<Line>,
 }
 
+/// Runs packed (and their source released) at a time: 256 runs, 4,096 rows.
+const PACK_SLAB_RUNS: usize = 256;
+
+/// Packs the tiles of runs `first..` into `slab` (whole runs of `kb` tiles), on all cores, into
+/// memory not zeroed first: every byte is written. Runs from `full` on read `padded`.
+fn pack_slab(
+    kind: Packed,
+    data: &[u8],
+    padded: &[u8],
+    (first, full, kb): (usize, usize, usize),
+    wide: bool,
+    slab: &mut [std::mem::MaybeUninit<Line>],
+) {
+    use rayon::prelude::*;
+    let lines = kind.tile_lines();
+    slab.par_chunks_mut(lines)
+        .enumerate()
+        .for_each(|(i, tile)| {
+            let (run, b) = (first + i / kb, i % kb);
+            let (src, r0) = if run < full {
+                (data, run * ROWS_PER_UNIT)
+            } else {
+                (padded, 0)
+            };
+            // SAFETY: a tile is `lines` 64-byte lines, all written by either packer (the same
+            // bytes); AVX-512's only when `path()` is Avx512 or Amx, which only a CPU with those
+            // features gets.
+            unsafe {
+                let bytes =
+                    std::slice::from_raw_parts_mut(tile.as_mut_ptr() as *mut u8, lines * 64);
+                #[cfg(target_arch = "x86_64")]
+                if wide {
+                    avx512::pack_tile(kind, src, r0, b, kb, bytes);
+                    return;
+                }
+                let _ = wide;
+                scalar::pack_tile(kind, src, r0, b, kb, bytes);
+            };
+        });
+}
+
 impl PackedMatrix {
     /// Repacks `data`, the file's blocks of a `rows x k` matrix of type `ty` (`supports`
     /// checked by the caller; `data` holds exactly `rows * k / 256` blocks).
     pub fn pack(ty: GgmlType, rows: usize, k: usize, data: &[u8]) -> PackedMatrix {
+        Self::pack_releasing(ty, rows, k, data, |_, _| {})
+    }
+
+    /// [`PackedMatrix::pack`], slab by slab of [`PACK_SLAB_RUNS`] runs, calling
+    /// `release(offset, len)` with the bytes of `data` each slab has packed: a caller reading
+    /// `data` from a map lets those pages go then, so that the process never holds a whole
+    /// matrix twice (the 8B's output layer is 510 MB).
+    pub fn pack_releasing(
+        ty: GgmlType,
+        rows: usize,
+        k: usize,
+        data: &[u8],
+        release: impl Fn(usize, usize),
+    ) -> PackedMatrix {
         let kind = Packed::of(ty).filter(|_| supports(ty, k));
         let Some(kind) = kind else {
             panic!("{ty} {rows}x{k} is not a matrix these kernels run");
@@ -307,42 +362,19 @@ impl PackedMatrix {
         let lines = kind.tile_lines();
         let n = runs * kb * lines;
         let mut tiles: Vec<Line> = Vec::with_capacity(n);
-        {
-            use rayon::prelude::*;
-            // AVX-512's packer does Q4_K and Q6_K; the portable one writes the same bytes.
-            let wide = matches!(path(), CpuPath::Avx512 | CpuPath::Amx)
-                && matches!(kind, Packed::Q4K | Packed::Q6K);
-            // Packed on all cores, into memory not zeroed first: every byte is written.
-            tiles.spare_capacity_mut()[..n]
-                .par_chunks_mut(lines)
-                .enumerate()
-                .for_each(|(i, tile)| {
-                    let (run, b) = (i / kb, i % kb);
-                    let (src, r0) = if run < full {
-                        (data, run * ROWS_PER_UNIT)
-                    } else {
-                        (&padded[..], 0)
-                    };
-                    // SAFETY: a tile is `lines` 64-byte lines, all written by either packer
-                    // (the same bytes); AVX-512's only when `path()` is Avx512 or Amx, which only a
-                    // CPU with those features gets.
-                    unsafe {
-                        let bytes = std::slice::from_raw_parts_mut(
-                            tile.as_mut_ptr() as *mut u8,
-                            lines * 64,
-                        );
-                        #[cfg(target_arch = "x86_64")]
-                        if wide {
-                            avx512::pack_tile(kind, src, r0, b, kb, bytes);
-                            return;
-                        }
-                        let _ = wide;
-                        scalar::pack_tile(kind, src, r0, b, kb, bytes);
-                    };
-                });
-            // SAFETY: the first `n` lines were all initialized above.
-            unsafe { tiles.set_len(n) };
+        // AVX-512's packer does Q4_K and Q6_K; the portable one writes the same bytes.
+        let wide = matches!(path(), CpuPath::Avx512 | CpuPath::Amx)
+            && matches!(kind, Packed::Q4K | Packed::Q6K);
+        let run_bytes = ROWS_PER_UNIT * kb * bb;
+        for first in (0..runs).step_by(PACK_SLAB_RUNS) {
+            let last = (first + PACK_SLAB_RUNS).min(runs);
+            let slab = &mut tiles.spare_capacity_mut()[first * kb * lines..last * kb * lines];
+            pack_slab(kind, data, &padded, (first, full, kb), wide, slab);
+            let end = (last * run_bytes).min(data.len());
+            release(first * run_bytes, end - first * run_bytes);
         }
+        // SAFETY: the first `n` lines were all initialized, slab by slab.
+        unsafe { tiles.set_len(n) };
         PackedMatrix {
             kind,
             rows,
