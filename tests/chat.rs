@@ -448,3 +448,46 @@ fn lines_typed_during_an_answer_are_queued() {
         assert!(out.contains(line), "{line} was lost: {out}");
     }
 }
+
+/// A saved prompt longer than the next request's cache (its prompt, answer and a block) is
+/// still loaded and its common prefix reused: `generate` sizes its cache to the request, and
+/// makes room for the saved entries (it started fresh instead).
+#[test]
+fn a_longer_saved_prompt_still_gives_its_common_prefix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let cache = tmp.path().join("prompt.kv");
+    let ids = |n: u32| {
+        (1..=n)
+            .map(|i| (i * 7).to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let gen = |prompt: &str, n: &str| {
+        let o = run(&[
+            "generate",
+            "-m",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            prompt,
+            "-n",
+            n,
+            "--slot-size",
+            "4",
+            "--serial-blocks",
+            "2",
+            "--json",
+            "--prompt-cache",
+            cache.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let j: Value = serde_json::from_slice(&o.stdout).unwrap();
+        (j, stderr(&o))
+    };
+    let (cold, _) = gen(&ids(120), "16");
+    assert_eq!(cold["cached_prompt_tokens"], 0);
+    let (warm, err) = gen(&ids(20), "8");
+    // All but the last prompt token: one is always left to feed.
+    assert_eq!(warm["cached_prompt_tokens"], 19, "{err}");
+    assert!(!err.contains("starting fresh"), "{err}");
+}

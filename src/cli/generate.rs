@@ -412,12 +412,19 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         let params = a.decode.params_for(m.header, m.tokenizer, a.templated())?;
         let params = a.with_template(params, m.tokenizer, m.vocab)?;
         let prompt = a.prompt_of(m.tokenizer, m.header, file_text.as_deref())?;
-        let workload = workload(&params, prompt.len(), m.context)?;
-        request = Some((params, prompt));
+        // A saved prompt longer than this request's cache is loaded whole (its common prefix
+        // is kept): room for it, up to the context (a longer one cannot be loaded anyway).
+        let saved = (a.prompt_cache.as_deref())
+            .and_then(crate::kv::saved::saved_entries)
+            .map_or(0, |n| n.min(m.context));
+        let mut workload = workload(&params, prompt.len(), m.context)?;
+        workload.kv_entries = workload.kv_entries.max(saved);
+        request = Some((params, prompt, workload.kv_entries));
         Ok(Some(workload))
     })?;
-    let (params, prompt) = request.context("internal error: the request was not prepared")?;
-    let mut session = a.session(&loaded, &params, &prompt)?;
+    let (params, prompt, capacity) =
+        request.context("internal error: the request was not prepared")?;
+    let mut session = a.session(&loaded, capacity, &prompt)?;
     let mut out = Output::new(&a, &loaded.tokenizer, &prompt, &params);
     let decode_start = Instant::now();
     let never = AtomicBool::new(false);
@@ -522,15 +529,15 @@ impl GenerateArgs {
         prompt_tokens(tok, header, text, system, template)
     }
 
-    /// A session over a cache for this prompt and answer, with `--prompt-cache`'s entries
-    /// loaded and the reuse noted (notes go to stderr before the answer, not after it).
+    /// A session over a cache of `capacity` entries, with `--prompt-cache`'s entries loaded and
+    /// the reuse noted (notes go to stderr before the answer, not after it).
     fn session<'m>(
         &self,
         loaded: &'m crate::runtime::Loaded,
-        params: &DecodeParams,
+        capacity: usize,
         prompt: &[u32],
     ) -> Result<Session<'m, crate::model::Qwen3>> {
-        let cache = loaded.new_cache(cache_entries(params, prompt.len()))?;
+        let cache = loaded.new_cache(capacity)?;
         let mut session = Session::new(&loaded.model, &loaded.tokenizer, None, cache);
         let Some(path) = &self.prompt_cache else {
             return Ok(session);

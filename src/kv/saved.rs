@@ -92,6 +92,16 @@ impl Header {
     }
 }
 
+/// How many entries the saved prefix at `path` holds, from its header alone (`None` when it is
+/// absent or not one): the room a cache needs to load it.
+pub fn saved_entries(path: &Path) -> Option<usize> {
+    use std::io::Read;
+    let mut file = refusion_gguf::files::open_regular(path).ok()?;
+    let mut bytes = [0u8; SAVE_HEADER];
+    file.read_exact(&mut bytes).ok()?;
+    (&bytes[..4] == SAVE_MAGIC).then(|| Header::parse(&bytes).entries as usize)
+}
+
 impl KvCache {
     /// Writes the default sequence's shared entries at positions `0..tokens.len()` (their K/V,
     /// positions and tokens) and `extra` to `path`, atomically (a temporary file, then a
