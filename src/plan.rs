@@ -566,6 +566,36 @@ mod tests {
     }
 
     #[test]
+    fn a_known_workload_plans_its_cache_and_logits_and_the_program_is_counted_not_refused() {
+        let s = sizes_8b();
+        let mut r = req(None, GpuLayers::Auto);
+        let full = MemoryPlan::new(&s, &r).unwrap();
+        r.workload = Some(Workload {
+            kv_entries: 600,
+            forward_tokens: 40,
+            logit_rows: 16,
+        });
+        r.program = 80 << 20;
+        let p = MemoryPlan::new(&s, &r).unwrap();
+        // The cache is the request's, not the context's.
+        assert_eq!(p.on_cpu.kv, 36 * 4096 * 600);
+        assert!(p.to_string().contains("the cache holds 600 entries"), "{p}");
+        // The scratch is a 40-token forward with 16 rows of logits, not a chunk of 512 with all.
+        assert_eq!(p.on_cpu.scratch, s.scratch(40, 600, 16, false));
+        assert!(p.on_cpu.scratch * 10 < full.on_cpu.scratch);
+        // The program is in the total, but not held against what is still available (it
+        // already is resident): a plan that fits besides it is not refused.
+        assert_eq!(
+            p.on_cpu.total(),
+            p.on_cpu.weights + p.on_cpu.kv + p.on_cpu.scratch + (80 << 20)
+        );
+        r.host_available = Some(p.on_cpu.total() - (80 << 20));
+        assert!(MemoryPlan::new(&s, &r).is_ok());
+        r.host_available = Some(p.on_cpu.total() - (80 << 20) - 1);
+        assert!(MemoryPlan::new(&s, &r).is_err());
+    }
+
+    #[test]
     fn ngl_values_parse_like_llama_cpp() {
         assert_eq!("auto".parse::<GpuLayers>(), Ok(GpuLayers::Auto));
         assert_eq!("all".parse::<GpuLayers>(), Ok(GpuLayers::All));
