@@ -131,15 +131,15 @@ fn two_turns_reuse_the_cache_and_sessions_save_and_load() {
     assert!(!err.contains("panicked"));
 }
 
-fn generate_json(model: &Path, cache: &Path) -> Value {
-    let o = run(&[
-        "generate",
-        "-m",
-        model.to_str().unwrap(),
-        "-p",
-        "Tell me a story about a lighthouse.",
-        "-n",
-        "16",
+/// The prompt and length most of these runs ask for.
+const STORY: [&str; 4] = ["-p", "Tell me a story about a lighthouse.", "-n", "16"];
+
+/// `generate REQUEST` with two serial blocks of slots of 4 and `--prompt-cache CACHE`: its
+/// `--json` report, with its stderr as `"stderr"`.
+fn generate_json(model: &Path, cache: &Path, request: &[&str]) -> Value {
+    let mut args = vec!["generate", "-m", model.to_str().unwrap()];
+    args.extend_from_slice(request);
+    args.extend([
         "--slot-size",
         "4",
         "--serial-blocks",
@@ -148,6 +148,7 @@ fn generate_json(model: &Path, cache: &Path) -> Value {
         "--prompt-cache",
         cache.to_str().unwrap(),
     ]);
+    let o = run(&args);
     assert!(o.status.success(), "{}", stderr(&o));
     let mut j: Value = serde_json::from_slice(&o.stdout).unwrap();
     j["stderr"] = Value::String(stderr(&o));
@@ -159,10 +160,10 @@ fn prompt_cache_reuse_matches_a_cold_run_and_refuses_bad_files() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_refusion_gguf(tmp.path());
     let cache = tmp.path().join("prompt.kv");
-    let cold = generate_json(&model, &cache);
+    let cold = generate_json(&model, &cache, &STORY);
     assert!(cache.exists());
     assert_eq!(cold["cached_prompt_tokens"], 0);
-    let warm = generate_json(&model, &cache);
+    let warm = generate_json(&model, &cache, &STORY);
     assert!(warm["cached_prompt_tokens"].as_u64().unwrap() > 0);
     assert_eq!(
         warm["tokens"], cold["tokens"],
@@ -175,7 +176,7 @@ fn prompt_cache_reuse_matches_a_cold_run_and_refuses_bad_files() {
     let mid = bad.len() / 2;
     bad[mid] ^= 0xff;
     std::fs::write(&cache, &bad).unwrap();
-    let j = generate_json(&model, &cache);
+    let j = generate_json(&model, &cache, &STORY);
     assert!(
         j["stderr"].as_str().unwrap().contains("checksum"),
         "{}",
@@ -184,7 +185,7 @@ fn prompt_cache_reuse_matches_a_cold_run_and_refuses_bad_files() {
     assert_eq!(j["tokens"], cold["tokens"]);
     assert_eq!(j["cached_prompt_tokens"], 0);
     std::fs::write(&cache, &bytes[..bytes.len() / 3]).unwrap();
-    let j = generate_json(&model, &cache);
+    let j = generate_json(&model, &cache, &STORY);
     assert!(
         j["stderr"].as_str().unwrap().contains("truncated"),
         "{}",
@@ -193,26 +194,11 @@ fn prompt_cache_reuse_matches_a_cold_run_and_refuses_bad_files() {
     assert_eq!(j["tokens"], cold["tokens"]);
 
     // A cache made with another cache type is refused.
-    let o = run(&[
-        "generate",
-        "-m",
-        model.to_str().unwrap(),
-        "-p",
-        "Tell me a story about a lighthouse.",
-        "-n",
-        "16",
-        "--slot-size",
-        "4",
-        "--serial-blocks",
-        "2",
-        "--json",
-        "--prompt-cache",
-        cache.to_str().unwrap(),
-        "--cache-type",
-        "f16",
-    ]);
-    assert!(o.status.success());
-    assert!(stderr(&o).contains("F32"), "{}", stderr(&o));
+    let mut f16 = STORY.to_vec();
+    f16.extend(["--cache-type", "f16"]);
+    let j = generate_json(&model, &cache, &f16);
+    let err = j["stderr"].as_str().unwrap();
+    assert!(err.contains("F32"), "{err}");
 }
 
 #[test]
@@ -464,25 +450,9 @@ fn a_longer_saved_prompt_still_gives_its_common_prefix() {
             .join(",")
     };
     let gen = |prompt: &str, n: &str| {
-        let o = run(&[
-            "generate",
-            "-m",
-            model.to_str().unwrap(),
-            "--prompt-ids",
-            prompt,
-            "-n",
-            n,
-            "--slot-size",
-            "4",
-            "--serial-blocks",
-            "2",
-            "--json",
-            "--prompt-cache",
-            cache.to_str().unwrap(),
-        ]);
-        assert!(o.status.success(), "{}", stderr(&o));
-        let j: Value = serde_json::from_slice(&o.stdout).unwrap();
-        (j, stderr(&o))
+        let j = generate_json(&model, &cache, &["--prompt-ids", prompt, "-n", n]);
+        let err = j["stderr"].as_str().unwrap().to_string();
+        (j, err)
     };
     let (cold, _) = gen(&ids(120), "16");
     assert_eq!(cold["cached_prompt_tokens"], 0);

@@ -362,19 +362,8 @@ fn serve_plans_the_cache_it_allocates() {
 #[test]
 fn generate_plans_what_it_holds_at_its_peak() {
     let tmp = tempfile::tempdir().unwrap();
-    let big = tmp.path().join("0.6b.gguf");
-    let o = run(&[
-        "convert",
-        "--synthetic",
-        "0.6b",
-        "--outtype",
-        "q4_0",
-        "-o",
-        big.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let tiny = tmp.path().join("tiny.gguf");
-    convert_quiet(&trained_tiny(), &tiny, "f32");
+    let big = synthetic_gguf(tmp.path(), "0.6b", "q4_0");
+    let tiny = trained_tiny_gguf(tmp.path(), "f32");
     for (m, n) in [(&big, "16"), (&tiny, "64")] {
         let args = [
             "generate",

@@ -132,17 +132,7 @@ fn the_page_in_a_browser() {
     assert!(std::fs::metadata(&shot).unwrap().len() > 10_000);
     // The stop button cancels: the server hears the client go and cancels the generation. A
     // random 0.6B-shaped file answers slowly enough to be stopped half-way.
-    let slow = tmp.path().join("slow.gguf");
-    let o = run(&[
-        "convert",
-        "--synthetic",
-        "0.6b",
-        "--outtype",
-        "q4_0",
-        "-o",
-        slow.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let slow = synthetic_gguf(tmp.path(), "0.6b", "q4_0");
     let server = Server::start(&slow, &[]);
     check(&server, "stop", None);
     server

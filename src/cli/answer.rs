@@ -2,8 +2,9 @@
 //! the `--visual` canvas (masks, drafts, verified and committed slots), and at the end the
 //! figures (`--json`'s object, or llama.cpp's lines on stderr).
 
-use refusion_convert::info::human_bytes;
 use std::io::{IsTerminal, Write};
+
+use refusion_convert::info::human_bytes;
 
 use super::generate::GenerateArgs;
 use crate::chat::{TextStream, Tokenizer};

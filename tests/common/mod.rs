@@ -394,6 +394,22 @@ pub fn trained_tiny_gguf(dir: &Path, outtype: &str) -> PathBuf {
     out
 }
 
+/// A random real-sized file (`convert --synthetic SIZE --outtype OUTTYPE`) in `dir`.
+pub fn synthetic_gguf(dir: &Path, size: &str, outtype: &str) -> PathBuf {
+    let out = dir.join(format!("synthetic-{size}-{outtype}.gguf"));
+    let o = run(&[
+        "convert",
+        "--synthetic",
+        size,
+        "--outtype",
+        outtype,
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    out
+}
+
 pub fn tiny_refusion_gguf(dir: &Path) -> PathBuf {
     let ckpt = dir.join("ckpt");
     build_refusion_vocab_checkpoint(&ckpt, TokLayout::Fast);
