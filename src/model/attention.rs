@@ -164,6 +164,75 @@ unsafe fn weighted_sum_avx2(
     }
 }
 
+/// [`weighted_sum_avx2`] for `G` heads of one token over the same entries at once, with
+/// 512-bit vectors: each output element is the same chain of fused multiply-adds over `t` in
+/// order from 0, so the same floats to the bit, in half the instructions, and each value
+/// entry is loaded once for the `G` heads. 128 elements of each head at a time (masked past
+/// `hd`).
+///
+/// # Safety
+/// The CPU has AVX-512F; each `out[h]` is valid for `hd` writes, `slots` index `values`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_sum_avx512<const G: usize>(
+    ps: [&[f32]; G],
+    slots: &[usize],
+    values: &[f32],
+    hd: usize,
+    out: [*mut f32; G],
+) {
+    use std::arch::x86_64::*;
+    const W: usize = 8;
+    debug_assert!(slots.iter().all(|&s| (s + 1) * hd <= values.len()));
+    let base = values.as_ptr();
+    let mut d0 = 0;
+    while d0 < hd {
+        let mask = |i: usize| -> __mmask16 {
+            let left = hd.saturating_sub(d0 + 16 * i).min(16);
+            ((1u32 << left) - 1) as __mmask16
+        };
+        let masks: [__mmask16; W] = std::array::from_fn(mask);
+        let mut acc = [[_mm512_setzero_ps(); W]; G];
+        for (t, &slot) in slots.iter().enumerate() {
+            let v = base.add(slot.wrapping_mul(hd).wrapping_add(d0));
+            let p: [__m512; G] = std::array::from_fn(|h| _mm512_set1_ps(*ps[h].get_unchecked(t)));
+            for i in 0..W {
+                let x = _mm512_maskz_loadu_ps(masks[i], v.add(16 * i));
+                for h in 0..G {
+                    acc[h][i] = _mm512_fmadd_ps(p[h], x, acc[h][i]);
+                }
+            }
+        }
+        for h in 0..G {
+            for i in 0..W {
+                _mm512_mask_storeu_ps(out[h].add(d0 + 16 * i), masks[i], acc[h][i]);
+            }
+        }
+        d0 += 16 * W;
+    }
+}
+
+/// Whether attention may use AVX-512: the kernel path in use is an AVX-512 one (so
+/// `REFUSION_CPU=avx2` keeps the whole forward on AVX2, as an AVX2-only CPU runs it).
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    use crate::model::kquants::{path, CpuPath};
+    matches!(path(), CpuPath::Avx512 | CpuPath::Amx)
+}
+
+/// Tests set it to run the AVX2 fast path where the AVX-512 one would run, to compare them.
+#[cfg(all(test, target_arch = "x86_64"))]
+static FORCE_256: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+#[cfg(target_arch = "x86_64")]
+fn fast_512_allowed() -> bool {
+    #[cfg(test)]
+    if FORCE_256.load(std::sync::atomic::Ordering::SeqCst) {
+        return false;
+    }
+    true
+}
+
 /// Tests set it to run the entry-by-entry loop where the fast path would run, to compare the
 /// two.
 #[cfg(all(test, target_arch = "x86_64"))]
@@ -440,6 +509,7 @@ impl Block<'_> {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_f32_avx2(&self, keys: &[f32], values: &[f32], out: &SharedOut) {
         let (hd, group) = (self.head_dim, self.group);
+        let avx512 = has_avx512() && fast_512_allowed();
         let nt = self.toks.len();
         let nq = nt * group;
         let stride = self.stride;
@@ -464,17 +534,7 @@ impl Block<'_> {
                 let k = &keys[slot * hd..(slot + 1) * hd];
                 dots_avx2(qs, k, self.scale, |qi, v| scores[qi * stride + t] = v);
             }
-            // Scores against each token's own row entries.
-            for j in 0..nt {
-                let vis = self.visible[self.toks.start + j];
-                let mine = &qs[j * group..(j + 1) * group];
-                for (u, &slot) in vis.row_slots[..vis.count].iter().enumerate() {
-                    let k = &keys[slot * hd..(slot + 1) * hd];
-                    dots_avx2(mine, k, self.scale, |h, v| {
-                        scores[(j * group + h) * stride + shared + u] = v
-                    });
-                }
-            }
+            self.row_scores_avx2(qs, keys, &mut scores[..nq * stride], shared);
             for j in 0..nt {
                 let n_keys = shared + self.visible[self.toks.start + j].count;
                 for h in 0..group {
@@ -487,18 +547,86 @@ impl Block<'_> {
                 let vis = self.visible[self.toks.start + j];
                 slots.truncate(shared);
                 slots.extend_from_slice(&vis.row_slots[..vis.count]);
-                for h in 0..group {
-                    let i = self.toks.start + j;
-                    // SAFETY: the (token, head) slice belongs to this task only.
-                    let o = std::slice::from_raw_parts_mut(
-                        out.get().add((i * self.n_heads + self.g * group + h) * hd),
-                        hd,
-                    );
-                    let ps = &scores[(j * group + h) * stride..][..slots.len()];
-                    weighted_sum_avx2(ps, slots, values, hd, o);
+                let i = self.toks.start + j;
+                // SAFETY: the (token, head) slices belong to this task only.
+                let o = |h: usize| out.get().add((i * self.n_heads + self.g * group + h) * hd);
+                let ps = |h: usize| &scores[(j * group + h) * stride..][..slots.len()];
+                let mut h = 0;
+                if avx512 {
+                    while h + 2 <= group {
+                        weighted_sum_avx512::<2>(
+                            [ps(h), ps(h + 1)],
+                            slots,
+                            values,
+                            hd,
+                            [o(h), o(h + 1)],
+                        );
+                        h += 2;
+                    }
+                    if h < group {
+                        weighted_sum_avx512::<1>([ps(h)], slots, values, hd, [o(h)]);
+                        h += 1;
+                    }
+                }
+                for h in h..group {
+                    let o = std::slice::from_raw_parts_mut(o(h), hd);
+                    weighted_sum_avx2(ps(h), slots, values, hd, o);
                 }
             }
         });
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Block<'_> {
+    /// The scores of the block's queries against their rows' own entries, after the `shared`
+    /// prefix scores. Tokens of one row (a planning forward's masks, a slot's tokens) see
+    /// the same entries up to their own: each entry is read once and dotted with every query
+    /// of the block's tokens that see it, so the FMA chains of up to [`DOT_QUERIES`] queries
+    /// run side by side (one token's `group` queries alone left the units waiting on each
+    /// chain's latency). Each score is the same dot product as one at a time, to the bit.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn row_scores_avx2(
+        &self,
+        qs: &[&[f32]],
+        keys: &[f32],
+        scores: &mut [f32],
+        shared: usize,
+    ) {
+        let (hd, group, stride) = (self.head_dim, self.group, self.stride);
+        let nt = self.toks.len();
+        let vis = |j: usize| self.visible[self.toks.start + j];
+        let same_row =
+            |a: usize, b: usize| std::ptr::eq(vis(a).row_slots.as_ptr(), vis(b).row_slots.as_ptr());
+        let mut sel: [&[f32]; MAX_QUERIES] = [&[]; MAX_QUERIES];
+        let mut at = [0usize; MAX_QUERIES];
+        for j in 0..nt {
+            // Each row once, at its first token of the block: its tokens see the same
+            // slots, each its first `count`.
+            if (0..j).any(|j0| same_row(j0, j)) {
+                continue;
+            }
+            let row = vis(j).row_slots;
+            let most = (j..nt)
+                .filter(|&j2| same_row(j, j2))
+                .map(|j2| vis(j2).count)
+                .max()
+                .unwrap_or(0);
+            for (u, &slot) in row[..most].iter().enumerate() {
+                let mut n = 0;
+                for j2 in j..nt {
+                    if same_row(j, j2) && vis(j2).count > u {
+                        for h in 0..group {
+                            sel[n] = qs[j2 * group + h];
+                            at[n] = (j2 * group + h) * stride + shared + u;
+                            n += 1;
+                        }
+                    }
+                }
+                let k = &keys[slot * hd..(slot + 1) * hd];
+                dots_avx2(&sel[..n], k, self.scale, |i, v| scores[at[i]] = v);
+            }
+        }
     }
 }
 

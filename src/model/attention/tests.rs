@@ -10,19 +10,24 @@ fn lcg(seed: &mut u64) -> f32 {
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
-/// The AVX2 path gives the portable loop's floats to the bit, for head sizes with and
-/// without a tail, one and several tokens, prefixes and rows.
+/// The fast paths (AVX-512 where the CPU has it, AVX2) give the portable loop's floats to the
+/// bit, for head sizes with and without a tail, one and several tokens, prefixes, tokens of
+/// several rows interleaved and of one row (a planning forward's masks), GQA groups of 1 to 9
+/// heads.
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn the_fast_path_gives_the_portable_loops_floats() {
     if !has_avx2() {
         return;
     }
-    for (hd, nkv, nh, prefix, n) in [
-        (128, 2, 8, 40, 5),
-        (24, 2, 6, 9, 11),
-        (64, 1, 3, 0, 3),
-        (20, 1, 9, 7, 4),
+    for (hd, nkv, nh, prefix, n, n_rows) in [
+        (128, 2, 8, 40, 5, 3),
+        (24, 2, 6, 9, 11, 3),
+        (64, 1, 3, 0, 3, 3),
+        (20, 1, 9, 7, 4, 3),
+        (128, 8, 16, 30, 37, 1),
+        (136, 2, 4, 12, 19, 2),
+        (40, 4, 4, 5, 10, 1),
     ] {
         let shape = CacheShape {
             n_layers: 1,
@@ -43,7 +48,7 @@ fn the_fast_path_gives_the_portable_loops_floats() {
             fill(&mut cache, &vec![0; prefix]);
             cache.commit_row(0).unwrap();
         }
-        let rows: Vec<u32> = (0..n as u32).map(|i| i % 3).collect();
+        let rows: Vec<u32> = (0..n as u32).map(|i| i % n_rows).collect();
         fill(&mut cache, &rows);
         let segments = cache.cells().segments(SeqId::DEFAULT).unwrap();
         let mut counts = [0usize; 3];
@@ -60,39 +65,33 @@ fn the_fast_path_gives_the_portable_loops_floats() {
             })
             .collect();
         let q: Vec<f32> = (0..n * nh * hd).map(|_| lcg(&mut seed)).collect();
-        let mut fast = vec![0f32; n * nh * hd];
-        attend(
-            &q,
-            &cache,
-            0,
-            &visible,
-            Heads {
-                n: nh,
-                kv: nkv,
-                dim: hd,
-            },
-            &mut fast,
-        );
-        FORCE_PORTABLE.store(true, std::sync::atomic::Ordering::SeqCst);
-        let mut portable = vec![0f32; n * nh * hd];
-        attend(
-            &q,
-            &cache,
-            0,
-            &visible,
-            Heads {
-                n: nh,
-                kv: nkv,
-                dim: hd,
-            },
-            &mut portable,
-        );
-        FORCE_PORTABLE.store(false, std::sync::atomic::Ordering::SeqCst);
-        assert!(
-            fast.iter()
+        let heads = Heads {
+            n: nh,
+            kv: nkv,
+            dim: hd,
+        };
+        let run = |portable: bool, narrow: bool| {
+            FORCE_PORTABLE.store(portable, std::sync::atomic::Ordering::SeqCst);
+            FORCE_256.store(narrow, std::sync::atomic::Ordering::SeqCst);
+            let mut out = vec![0f32; n * nh * hd];
+            attend(&q, &cache, 0, &visible, heads, &mut out);
+            FORCE_PORTABLE.store(false, std::sync::atomic::Ordering::SeqCst);
+            FORCE_256.store(false, std::sync::atomic::Ordering::SeqCst);
+            out
+        };
+        let portable = run(true, false);
+        let same = |a: &[f32]| {
+            a.iter()
                 .zip(&portable)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "head_dim {hd}: the paths differ"
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        };
+        assert!(
+            same(&run(false, true)),
+            "head_dim {hd}: the AVX2 path differs from the portable loop"
+        );
+        assert!(
+            same(&run(false, false)),
+            "head_dim {hd}: the AVX-512 path differs from the portable loop"
         );
     }
 }
