@@ -164,54 +164,6 @@ unsafe fn weighted_sum_avx2(
     }
 }
 
-/// [`weighted_sum_avx2`] for `G` heads of one token over the same entries at once, with
-/// 512-bit vectors: each output element is the same chain of fused multiply-adds over `t` in
-/// order from 0, so the same floats to the bit, in half the instructions, and each value
-/// entry is loaded once for the `G` heads. 128 elements of each head at a time (masked past
-/// `hd`).
-///
-/// # Safety
-/// The CPU has AVX-512F; each `out[h]` is valid for `hd` writes, `slots` index `values`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn weighted_sum_avx512<const G: usize>(
-    ps: [&[f32]; G],
-    slots: &[usize],
-    values: &[f32],
-    hd: usize,
-    out: [*mut f32; G],
-) {
-    use std::arch::x86_64::*;
-    const W: usize = 8;
-    debug_assert!(slots.iter().all(|&s| (s + 1) * hd <= values.len()));
-    let base = values.as_ptr();
-    let mut d0 = 0;
-    while d0 < hd {
-        let mask = |i: usize| -> __mmask16 {
-            let left = hd.saturating_sub(d0 + 16 * i).min(16);
-            ((1u32 << left) - 1) as __mmask16
-        };
-        let masks: [__mmask16; W] = std::array::from_fn(mask);
-        let mut acc = [[_mm512_setzero_ps(); W]; G];
-        for (t, &slot) in slots.iter().enumerate() {
-            let v = base.add(slot.wrapping_mul(hd).wrapping_add(d0));
-            let p: [__m512; G] = std::array::from_fn(|h| _mm512_set1_ps(*ps[h].get_unchecked(t)));
-            for i in 0..W {
-                let x = _mm512_maskz_loadu_ps(masks[i], v.add(16 * i));
-                for h in 0..G {
-                    acc[h][i] = _mm512_fmadd_ps(p[h], x, acc[h][i]);
-                }
-            }
-        }
-        for h in 0..G {
-            for i in 0..W {
-                _mm512_mask_storeu_ps(out[h].add(d0 + 16 * i), masks[i], acc[h][i]);
-            }
-        }
-        d0 += 16 * W;
-    }
-}
-
 /// Whether attention may use AVX-512: the kernel path in use is an AVX-512 one (so
 /// `REFUSION_CPU=avx2` keeps the whole forward on AVX2, as an AVX2-only CPU runs it).
 #[cfg(target_arch = "x86_64")]
@@ -528,21 +480,24 @@ impl Block<'_> {
             if scores.len() < nq * stride {
                 scores.resize(nq * stride, 0.0);
             }
-            // Scores against the shared prefix: each key read once for every query.
-            let prefix_slots = self.prefix.iter().flat_map(|s| s.start..s.start + s.len);
-            for (t, slot) in prefix_slots.enumerate() {
-                let k = &keys[slot * hd..(slot + 1) * hd];
-                dots_avx2(qs, k, self.scale, |qi, v| scores[qi * stride + t] = v);
+            slots.clear();
+            slots.extend(self.prefix.iter().flat_map(|s| s.start..s.start + s.len));
+            if avx512 && hd <= avx512::MAX_HEAD_DIM {
+                self.scores_avx512(qs, keys, slots, &mut scores[..nq * stride]);
+            } else {
+                // Scores against the shared prefix: each key read once for every query.
+                for (t, &slot) in slots.iter().enumerate() {
+                    let k = &keys[slot * hd..(slot + 1) * hd];
+                    dots_avx2(qs, k, self.scale, |qi, v| scores[qi * stride + t] = v);
+                }
+                self.row_scores_avx2(qs, keys, &mut scores[..nq * stride], shared);
             }
-            self.row_scores_avx2(qs, keys, &mut scores[..nq * stride], shared);
             for j in 0..nt {
                 let n_keys = shared + self.visible[self.toks.start + j].count;
                 for h in 0..group {
                     softmax(&mut scores[(j * group + h) * stride..][..n_keys]);
                 }
             }
-            slots.clear();
-            slots.extend(self.prefix.iter().flat_map(|s| s.start..s.start + s.len));
             for j in 0..nt {
                 let vis = self.visible[self.toks.start + j];
                 slots.truncate(shared);
@@ -554,7 +509,7 @@ impl Block<'_> {
                 let mut h = 0;
                 if avx512 {
                     while h + 2 <= group {
-                        weighted_sum_avx512::<2>(
+                        avx512::weighted_sum_avx512::<2>(
                             [ps(h), ps(h + 1)],
                             slots,
                             values,
@@ -564,7 +519,7 @@ impl Block<'_> {
                         h += 2;
                     }
                     if h < group {
-                        weighted_sum_avx512::<1>([ps(h)], slots, values, hd, [o(h)]);
+                        avx512::weighted_sum_avx512::<1>([ps(h)], slots, values, hd, [o(h)]);
                         h += 1;
                     }
                 }
@@ -594,28 +549,14 @@ impl Block<'_> {
         shared: usize,
     ) {
         let (hd, group, stride) = (self.head_dim, self.group, self.stride);
-        let nt = self.toks.len();
-        let vis = |j: usize| self.visible[self.toks.start + j];
-        let same_row =
-            |a: usize, b: usize| std::ptr::eq(vis(a).row_slots.as_ptr(), vis(b).row_slots.as_ptr());
         let mut sel: [&[f32]; MAX_QUERIES] = [&[]; MAX_QUERIES];
         let mut at = [0usize; MAX_QUERIES];
-        for j in 0..nt {
-            // Each row once, at its first token of the block: its tokens see the same
-            // slots, each its first `count`.
-            if (0..j).any(|j0| same_row(j0, j)) {
-                continue;
-            }
-            let row = vis(j).row_slots;
-            let most = (j..nt)
-                .filter(|&j2| same_row(j, j2))
-                .map(|j2| vis(j2).count)
-                .max()
-                .unwrap_or(0);
+        for (j, most) in self.rows() {
+            let row = self.vis(j).row_slots;
             for (u, &slot) in row[..most].iter().enumerate() {
                 let mut n = 0;
-                for j2 in j..nt {
-                    if same_row(j, j2) && vis(j2).count > u {
+                for j2 in j..self.toks.len() {
+                    if self.same_row(j, j2) && self.vis(j2).count > u {
                         for h in 0..group {
                             sel[n] = qs[j2 * group + h];
                             at[n] = (j2 * group + h) * stride + shared + u;
@@ -627,6 +568,89 @@ impl Block<'_> {
                 dots_avx2(&sel[..n], k, self.scale, |i, v| scores[at[i]] = v);
             }
         }
+    }
+
+    /// The scores against the shared prefix (`slots`) and the rows' own entries with
+    /// [`avx512::dots`], 16 queries at a time. A row's entries are dotted with each query of
+    /// its tokens up to the block's last token's count (the rest of a token's scores past its
+    /// own count are written but never read: softmax and the values stop at its count).
+    #[target_feature(enable = "avx512f")]
+    unsafe fn scores_avx512(
+        &self,
+        qs: &[&[f32]],
+        keys: &[f32],
+        slots: &[usize],
+        scores: &mut [f32],
+    ) {
+        let (hd, group, stride) = (self.head_dim, self.group, self.stride);
+        let mut at = [0usize; 16];
+        for (c, chunk) in qs.chunks(16).enumerate() {
+            for (i, a) in at.iter_mut().enumerate().take(chunk.len()) {
+                *a = (16 * c + i) * stride;
+            }
+            avx512::dots(
+                chunk,
+                &at[..chunk.len()],
+                keys,
+                hd,
+                slots,
+                self.scale,
+                scores,
+            );
+        }
+        let mut sel: [&[f32]; 16] = [&[]; 16];
+        for (j, most) in self.rows() {
+            let row = &self.vis(j).row_slots[..most];
+            let mut n = 0;
+            for j2 in j..self.toks.len() {
+                if !self.same_row(j, j2) {
+                    continue;
+                }
+                for h in 0..group {
+                    sel[n] = qs[j2 * group + h];
+                    at[n] = (j2 * group + h) * stride + slots.len();
+                    n += 1;
+                    if n == 16 {
+                        avx512::dots(&sel, &at, keys, hd, row, self.scale, scores);
+                        n = 0;
+                    }
+                }
+            }
+            if n > 0 {
+                avx512::dots(&sel[..n], &at[..n], keys, hd, row, self.scale, scores);
+            }
+        }
+    }
+}
+
+impl Block<'_> {
+    /// What the block's token `j` sees.
+    fn vis(&self, j: usize) -> Visible<'_> {
+        self.visible[self.toks.start + j]
+    }
+
+    /// Whether the block's tokens `a` and `b` are of one row (see the same private slots).
+    fn same_row(&self, a: usize, b: usize) -> bool {
+        std::ptr::eq(
+            self.vis(a).row_slots.as_ptr(),
+            self.vis(b).row_slots.as_ptr(),
+        )
+    }
+
+    /// The block's rows, each once: its first token and the most entries one of its tokens
+    /// sees (a row's tokens see the same slots, each its first `count`).
+    fn rows(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let nt = self.toks.len();
+        (0..nt)
+            .filter(move |&j| !(0..j).any(|j0| self.same_row(j0, j)))
+            .map(move |j| {
+                let most = (j..nt)
+                    .filter(|&j2| self.same_row(j, j2))
+                    .map(|j2| self.vis(j2).count)
+                    .max()
+                    .unwrap_or(0);
+                (j, most)
+            })
     }
 }
 
@@ -656,5 +680,7 @@ impl SharedOut {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests;

@@ -107,7 +107,7 @@ unsafe fn q6k_quants(blk: &[u8]) -> [__m512i; 4] {
 /// Transposes 16 rows of 16 dwords in place (row `i` becomes column `i`).
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn transpose16(r: &mut [__m512i; 16]) {
+pub(crate) fn transpose16(r: &mut [__m512i; 16]) {
     let mut t = [_mm512_setzero_si512(); 16];
     for i in 0..8 {
         t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);

@@ -34,6 +34,8 @@ mod avx512;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx512::transpose16;
 mod tiles;
 
 use acts::{quantize_rows, stored_at, Q8K};
