@@ -623,6 +623,7 @@ impl Block<'_> {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
 impl Block<'_> {
     /// What the block's token `j` sees.
     fn vis(&self, j: usize) -> Visible<'_> {
