@@ -172,32 +172,18 @@ fn has_avx512() -> bool {
     matches!(path(), CpuPath::Avx512 | CpuPath::Amx)
 }
 
-/// Tests set it to run the AVX2 fast path where the AVX-512 one would run, to compare them.
+/// Tests set it to hold a path back, to compare the paths: 1 runs the AVX2 fast path where the
+/// AVX-512 one would run, 2 the entry-by-entry loop where either would.
 #[cfg(all(test, target_arch = "x86_64"))]
-static FORCE_256: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static HOLD_BACK: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
+/// How far the tests hold the fast paths back (0: not at all, always outside the tests).
 #[cfg(target_arch = "x86_64")]
-fn fast_512_allowed() -> bool {
+fn held_back() -> u8 {
     #[cfg(test)]
-    if FORCE_256.load(std::sync::atomic::Ordering::SeqCst) {
-        return false;
-    }
-    true
-}
-
-/// Tests set it to run the entry-by-entry loop where the fast path would run, to compare the
-/// two.
-#[cfg(all(test, target_arch = "x86_64"))]
-static FORCE_PORTABLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Whether the fast path may run (always, but in the tests that compare it).
-#[cfg(target_arch = "x86_64")]
-fn fast_path_allowed() -> bool {
-    #[cfg(test)]
-    if FORCE_PORTABLE.load(std::sync::atomic::Ordering::SeqCst) {
-        return false;
-    }
-    true
+    return HOLD_BACK.load(std::sync::atomic::Ordering::SeqCst);
+    #[cfg(not(test))]
+    0
 }
 
 /// Whether this CPU has AVX2 and FMA (checked once).
@@ -323,7 +309,7 @@ pub fn attend(
                 scale,
             };
             #[cfg(target_arch = "x86_64")]
-            if avx2 && block.toks.len() * group <= MAX_QUERIES && fast_path_allowed() {
+            if avx2 && block.toks.len() * group <= MAX_QUERIES && held_back() < 2 {
                 if let (HeadView::F32(k), HeadView::F32(v)) = (&keys, &values) {
                     // SAFETY: the CPU has AVX2 and FMA; this task writes only its own tokens'
                     // heads of `out`, which outlives the call.
@@ -461,7 +447,7 @@ impl Block<'_> {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_f32_avx2(&self, keys: &[f32], values: &[f32], out: &SharedOut) {
         let (hd, group) = (self.head_dim, self.group);
-        let avx512 = has_avx512() && fast_512_allowed();
+        let avx512 = has_avx512() && held_back() == 0;
         let nt = self.toks.len();
         let nq = nt * group;
         let stride = self.stride;

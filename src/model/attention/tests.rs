@@ -70,27 +70,25 @@ fn the_fast_path_gives_the_portable_loops_floats() {
             kv: nkv,
             dim: hd,
         };
-        let run = |portable: bool, narrow: bool| {
-            FORCE_PORTABLE.store(portable, std::sync::atomic::Ordering::SeqCst);
-            FORCE_256.store(narrow, std::sync::atomic::Ordering::SeqCst);
+        let run = |held: u8| {
+            HOLD_BACK.store(held, std::sync::atomic::Ordering::SeqCst);
             let mut out = vec![0f32; n * nh * hd];
             attend(&q, &cache, 0, &visible, heads, &mut out);
-            FORCE_PORTABLE.store(false, std::sync::atomic::Ordering::SeqCst);
-            FORCE_256.store(false, std::sync::atomic::Ordering::SeqCst);
+            HOLD_BACK.store(0, std::sync::atomic::Ordering::SeqCst);
             out
         };
-        let portable = run(true, false);
+        let portable = run(2);
         let same = |a: &[f32]| {
             a.iter()
                 .zip(&portable)
                 .all(|(a, b)| a.to_bits() == b.to_bits())
         };
         assert!(
-            same(&run(false, true)),
+            same(&run(1)),
             "head_dim {hd}: the AVX2 path differs from the portable loop"
         );
         assert!(
-            same(&run(false, false)),
+            same(&run(0)),
             "head_dim {hd}: the AVX-512 path differs from the portable loop"
         );
     }
