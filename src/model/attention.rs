@@ -534,21 +534,17 @@ impl Block<'_> {
         scores: &mut [f32],
         shared: usize,
     ) {
-        let (hd, group, stride) = (self.head_dim, self.group, self.stride);
+        let (hd, stride) = (self.head_dim, self.stride);
         let mut sel: [&[f32]; MAX_QUERIES] = [&[]; MAX_QUERIES];
         let mut at = [0usize; MAX_QUERIES];
         for (j, most) in self.rows() {
             let row = self.vis(j).row_slots;
             for (u, &slot) in row[..most].iter().enumerate() {
                 let mut n = 0;
-                for j2 in j..self.toks.len() {
-                    if self.same_row(j, j2) && self.vis(j2).count > u {
-                        for h in 0..group {
-                            sel[n] = qs[j2 * group + h];
-                            at[n] = (j2 * group + h) * stride + shared + u;
-                            n += 1;
-                        }
-                    }
+                for qi in self.row_queries(j, u) {
+                    sel[n] = qs[qi];
+                    at[n] = qi * stride + shared + u;
+                    n += 1;
                 }
                 let k = &keys[slot * hd..(slot + 1) * hd];
                 dots_avx2(&sel[..n], k, self.scale, |i, v| scores[at[i]] = v);
@@ -568,7 +564,7 @@ impl Block<'_> {
         slots: &[usize],
         scores: &mut [f32],
     ) {
-        let (hd, group, stride) = (self.head_dim, self.group, self.stride);
+        let (hd, stride) = (self.head_dim, self.stride);
         let mut at = [0usize; 16];
         for (c, chunk) in qs.chunks(16).enumerate() {
             for (i, a) in at.iter_mut().enumerate().take(chunk.len()) {
@@ -588,18 +584,13 @@ impl Block<'_> {
         for (j, most) in self.rows() {
             let row = &self.vis(j).row_slots[..most];
             let mut n = 0;
-            for j2 in j..self.toks.len() {
-                if !self.same_row(j, j2) {
-                    continue;
-                }
-                for h in 0..group {
-                    sel[n] = qs[j2 * group + h];
-                    at[n] = (j2 * group + h) * stride + slots.len();
-                    n += 1;
-                    if n == 16 {
-                        avx512::dots(&sel, &at, keys, hd, row, self.scale, scores);
-                        n = 0;
-                    }
+            for qi in self.row_queries(j, 0) {
+                sel[n] = qs[qi];
+                at[n] = qi * stride + slots.len();
+                n += 1;
+                if n == 16 {
+                    avx512::dots(&sel, &at, keys, hd, row, self.scale, scores);
+                    n = 0;
                 }
             }
             if n > 0 {
@@ -622,6 +613,15 @@ impl Block<'_> {
             self.vis(a).row_slots.as_ptr(),
             self.vis(b).row_slots.as_ptr(),
         )
+    }
+
+    /// The queries (indices into the block's) of the tokens of token `j`'s row from `j` on
+    /// that see the row's entry `u`: each such token's `group` heads.
+    fn row_queries(&self, j: usize, u: usize) -> impl Iterator<Item = usize> + '_ {
+        let group = self.group;
+        (j..self.toks.len())
+            .filter(move |&j2| self.same_row(j, j2) && self.vis(j2).count > u)
+            .flat_map(move |j2| j2 * group..(j2 + 1) * group)
     }
 
     /// The block's rows, each once: its first token and the most entries one of its tokens
