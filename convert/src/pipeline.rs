@@ -102,7 +102,7 @@ pub fn write_gguf(
         .sum();
 
     let mut out = AtomicFile::create(target)?;
-    let partial = out.partial_path().to_path_buf();
+    let partial = out.temp_path().to_path_buf();
     let io_err = |e: std::io::Error| Error::io(&partial, e);
 
     let bar = progress_bar(verbosity, total_input);
@@ -121,6 +121,7 @@ pub fn write_gguf(
     let buffered = writer.finish().map_err(io_err)?;
     buffered.into_inner().map_err(|e| io_err(e.into_error()))?;
     let output_bytes = out.file().metadata().map_err(io_err)?.len();
+    check_interrupt()?;
     out.commit()?;
     if let Some(bar) = bar {
         bar.finish_and_clear();

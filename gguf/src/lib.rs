@@ -6,6 +6,7 @@
 //! streams tensor data that is quantized while it is written, and keeps metadata in a fixed,
 //! documented order so that the same checkpoint always converts to the same bytes.
 
+pub mod atomic;
 pub mod check;
 pub mod decoding;
 pub mod error;

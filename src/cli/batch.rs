@@ -15,9 +15,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use refusion_gguf::atomic::AtomicFile;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::bounded;
 use crate::chat::{ChatTemplate, Message, TextStream};
 use crate::decode::{DecodeParams, DecodeResult, Event};
 use crate::runtime::Loaded;
@@ -46,24 +48,43 @@ pub struct Line {
 
 /// The requests of a batch file, checked before the model loads: each line parses, has a
 /// `prompt` or `messages` (not both) and asks for one choice.
+///
+/// The file is streamed a line at a time ([`bounded::Lines`]): a line is at most
+/// [`bounded::LINE_BYTES`], a batch at most [`bounded::BATCH_REQUESTS`] requests and
+/// [`bounded::BATCH_BYTES`] in all, each refused by name when passed.
 pub fn read(path: &Path) -> Result<Vec<(usize, Value, Line)>> {
-    let text = if path.as_os_str() == "-" {
-        let mut t = String::new();
-        std::io::Read::read_to_string(&mut std::io::stdin(), &mut t)
-            .context("reading the batch from standard input")?;
-        t
+    let name = if path.as_os_str() == "-" {
+        "standard input".to_string()
     } else {
-        if path.is_dir() {
-            bail!("{}: is a directory, not a batch file", path.display());
-        }
-        std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?
+        path.display().to_string()
     };
+    let mut lines = bounded::Lines::new(
+        bounded::open_text(path, "a batch file")?,
+        bounded::LINE_BYTES,
+    );
     let mut out = Vec::new();
-    for (i, raw) in text.lines().enumerate() {
+    for i in 0.. {
+        let at = |m: &str| anyhow::anyhow!("{name}:{}: {m}", i + 1);
+        let raw = match lines.next_line() {
+            Ok(Some(raw)) => raw,
+            Ok(None) => break,
+            Err(e) => return Err(at(&e.to_string())),
+        };
+        if lines.bytes > bounded::BATCH_BYTES {
+            bail!(
+                "{name}: more than {} of requests; split the batch",
+                bounded::size(bounded::BATCH_BYTES)
+            );
+        }
         if raw.trim().is_empty() {
             continue;
         }
-        let at = |m: &str| anyhow::anyhow!("{}:{}: {m}", path.display(), i + 1);
+        if out.len() == bounded::BATCH_REQUESTS {
+            return Err(at(&format!(
+                "more than {} requests in one batch; split the batch",
+                bounded::BATCH_REQUESTS
+            )));
+        }
         let line: Line = api::parse_with_knobs(raw.as_bytes()).map_err(|e| at(e.message()))?;
         match (&line.prompt, &line.messages) {
             (None, None) => return Err(at("needs a prompt or messages")),
@@ -85,7 +106,7 @@ pub fn read(path: &Path) -> Result<Vec<(usize, Value, Line)>> {
         out.push((i + 1, id, line));
     }
     if out.is_empty() {
-        bail!("{}: no requests (one JSON object per line)", path.display());
+        bail!("{name}: no requests (one JSON object per line)");
     }
     Ok(out)
 }
@@ -356,17 +377,14 @@ fn progress(n: usize, quiet: bool) -> indicatif::ProgressBar {
 /// Results in input order, to stdout or atomically to a file (`FILE.partial`, renamed when
 /// every line is written; removed on an error).
 struct Output {
-    file: Option<(refusion_convert::output::AtomicFile, PathBuf)>,
+    file: Option<(AtomicFile, PathBuf)>,
     buf: Vec<u8>,
 }
 
 impl Output {
     fn open(path: Option<&Path>) -> Result<Output> {
         let file = match path {
-            Some(p) => Some((
-                refusion_convert::output::AtomicFile::create(p)?,
-                p.to_path_buf(),
-            )),
+            Some(p) => Some((AtomicFile::create(p)?, p.to_path_buf())),
             None => None,
         };
         Ok(Output {

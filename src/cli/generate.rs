@@ -366,20 +366,6 @@ fn workload(params: &DecodeParams, prompt_len: usize, context: usize) -> Result<
     })
 }
 
-/// The text of `-f FILE` (`-f -`: standard input), read before the model loads.
-fn read_prompt_file(path: &std::path::Path) -> Result<String> {
-    if path.as_os_str() == "-" {
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
-            .context("reading the prompt from standard input")?;
-        return Ok(text);
-    }
-    if path.is_dir() {
-        bail!("{}: is a directory, not a prompt file", path.display());
-    }
-    std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))
-}
-
 pub fn run(a: GenerateArgs) -> Result<()> {
     a.decode.check()?;
     if let Some(pieces) = a.template_pieces(1) {
@@ -401,7 +387,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         claim(path, CacheFile::Prefix, Some(&opts.path))?;
     }
     let file_text = match (&a.prompt_ids, &a.prompt, &a.file) {
-        (None, None, Some(path)) => Some(read_prompt_file(path)?),
+        (None, None, Some(path)) => Some(super::bounded::read_text(
+            path,
+            "prompt text",
+            super::bounded::prompt_limit(a.model.ctx_size),
+        )?),
         _ => None,
     };
     let start = Instant::now();

@@ -1,8 +1,9 @@
 //! The chat's input: on a terminal, rustyline's line editing (arrows, Ctrl-A/E/W, Ctrl-R
 //! search) with a history kept across runs, as ollama's `run` has; from a pipe, plain lines.
 
-use std::io::BufRead;
 use std::path::PathBuf;
+
+use super::bounded;
 
 use anyhow::Result;
 use rustyline::error::ReadlineError;
@@ -23,7 +24,8 @@ pub enum Input {
         history: Option<PathBuf>,
         warned: bool,
     },
-    Pipe(std::io::StdinLock<'static>),
+    /// Lines of at most [`bounded::LINE_BYTES`].
+    Pipe(bounded::Lines<std::io::StdinLock<'static>>),
 }
 
 /// `$XDG_STATE_HOME/refusion/chat_history`, else `~/.local/state/refusion/chat_history`.
@@ -56,19 +58,19 @@ impl Input {
                 };
             }
         }
-        Input::Pipe(std::io::stdin().lock())
+        Input::Pipe(bounded::Lines::new(
+            std::io::stdin().lock(),
+            bounded::LINE_BYTES,
+        ))
     }
 
     pub fn read(&mut self, prompt: &str) -> Result<Line> {
         match self {
-            Input::Pipe(stdin) => {
-                let mut line = String::new();
-                if stdin.read_line(&mut line)? == 0 {
-                    return Ok(Line::Eof);
-                }
-                line.truncate(line.trim_end_matches(['\n', '\r']).len());
-                Ok(Line::Text(line))
-            }
+            Input::Pipe(lines) => match lines.next_line() {
+                Ok(Some(line)) => Ok(Line::Text(line)),
+                Ok(None) => Ok(Line::Eof),
+                Err(e) => Err(anyhow::anyhow!("standard input: {e}")),
+            },
             Input::Terminal {
                 editor,
                 history,

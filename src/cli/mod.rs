@@ -3,6 +3,7 @@
 mod answer;
 mod batch;
 mod bench;
+mod bounded;
 mod chat;
 mod convert_cmd;
 mod demo;

@@ -73,7 +73,9 @@ pub fn claim(path: &Path, kind: CacheFile, model: Option<&Path>) -> Result<Claim
             kind.name(),
         )))
     };
-    let meta = match std::fs::metadata(path) {
+    // Links are not followed: the rename of a saved prefix would replace the link, and the live
+    // cache is written in place, where a link is the classic way to aim a writer elsewhere.
+    let meta = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             check_parent(path)?;
@@ -86,6 +88,11 @@ pub fn claim(path: &Path, kind: CacheFile, model: Option<&Path>) -> Result<Claim
     }
     if model.is_some_and(|m| files::same_file(path, m)) {
         return Err(refuse("is the model file itself"));
+    }
+    if kind == CacheFile::Live && links(&meta) > 1 {
+        return Err(refuse(
+            "has other hard links (written in place, it would change them too)",
+        ));
     }
     if meta.len() == 0 {
         return Ok(Claim::Empty);
@@ -101,6 +108,20 @@ pub fn claim(path: &Path, kind: CacheFile, model: Option<&Path>) -> Result<Claim
         Ok(Claim::Ours)
     } else {
         Err(refuse(&format!("holds {}", describe(head, kind))))
+    }
+}
+
+/// How many names the file has.
+pub fn links(meta: &std::fs::Metadata) -> u64 {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        meta.nlink()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = meta;
+        1
     }
 }
 
@@ -201,5 +222,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("is the model file itself"), "{e}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn links_are_never_claimed() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |n: &str| dir.path().join(n);
+        std::fs::write(p("notes.txt"), b"").unwrap();
+        std::os::unix::fs::symlink(p("notes.txt"), p("kv.bin")).unwrap();
+        for kind in [CacheFile::Live, CacheFile::Prefix] {
+            let e = claim(&p("kv.bin"), kind, None).unwrap_err().to_string();
+            assert!(e.contains("kv.bin: is a symbolic link; refusing"), "{e}");
+        }
+        std::os::unix::fs::symlink(p("nowhere"), p("dangling")).unwrap();
+        assert!(claim(&p("dangling"), CacheFile::Live, None).is_err());
+        // An empty file of someone else's, hard-linked where the live cache would go.
+        std::fs::hard_link(p("notes.txt"), p("live.bin")).unwrap();
+        let e = claim(&p("live.bin"), CacheFile::Live, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("has other hard links"), "{e}");
+        // A saved prefix replaces its path (a rename), so the other name keeps its bytes.
+        assert_eq!(
+            claim(&p("live.bin"), CacheFile::Prefix, None).unwrap(),
+            Claim::Empty
+        );
     }
 }

@@ -55,14 +55,19 @@ fn open_cache_file(
             .open(p)
             .map_err(io)?,
         Claim::Empty | Claim::Ours => {
-            let mut f = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(p)
-                .map_err(io)?;
+            let mut opts = OpenOptions::new();
+            opts.read(true).write(true);
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::OpenOptionsExt;
+                // A link swapped in after the claim fails here (ELOOP), never followed.
+                opts.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+            }
+            let mut f = opts.open(p).map_err(io)?;
             let meta = f.metadata().map_err(io)?;
             let mut head = [0u8; 4];
             let ours = meta.is_file()
+                && super::claim::links(&meta) == 1
                 && (meta.len() == 0 || (f.read_exact(&mut head).is_ok() && &head == LIVE_MAGIC));
             if !ours {
                 return Err(Error::msg(format!(

@@ -154,7 +154,7 @@ impl KvCache {
             checksum: sum.finish(),
         };
         let io = |e: std::io::Error| Error::File(refusion_gguf::Error::io(path, e));
-        let mut out = refusion_convert::output::AtomicFile::create(path)?;
+        let mut out = refusion_gguf::atomic::AtomicFile::create(path)?;
         {
             use std::io::Write;
             let mut w = std::io::BufWriter::new(out.file());

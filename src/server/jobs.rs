@@ -3,7 +3,6 @@
 //! and a response that goes away cancels its generation ([`CancelOnDrop`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::TrySendError;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -14,15 +13,23 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{ApiError, Knobs};
 use super::fill::FillSpec;
+use super::queue::{JobQueue, Phase, PushError, Ticket};
 use super::worker::{Job, JobInput, Msg};
 use super::AppState;
 
-/// Sets the job's cancel flag when dropped: the response (or its stream) went away.
-pub(super) struct CancelOnDrop(Arc<AtomicBool>);
+/// When dropped (the response, or its stream, went away): sets the job's cancel flag, and
+/// takes the job out of the queue if it still waits there, so that its place is free at once.
+pub(super) struct CancelOnDrop {
+    cancel: Arc<AtomicBool>,
+    queued: Option<(Arc<JobQueue>, Ticket)>,
+}
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
-        self.0.store(true, Ordering::SeqCst);
+        self.cancel.store(true, Ordering::SeqCst);
+        if let Some((queue, ticket)) = self.queued.take() {
+            queue.withdraw(ticket);
+        }
     }
 }
 
@@ -40,24 +47,29 @@ pub(super) fn enqueue(
     knobs: Knobs,
     template: Option<FillSpec>,
 ) -> Result<(UnboundedReceiver<Msg>, CancelOnDrop), ApiError> {
+    match state.worker.get() {
+        Phase::Ready | Phase::Loading => {}
+        Phase::Failed(reason) => return Err(worker_failed(&reason)),
+        Phase::Stopped => return Err(worker_failed("it has stopped")),
+    }
     let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    let guard = CancelOnDrop(cancel.clone());
-    // Counted before it is sent: the worker counts it down when it takes it.
-    state.load.queued.fetch_add(1, Ordering::SeqCst);
-    let sent = state.jobs.try_send(Job {
+    let sent = state.jobs.push(Job {
         input,
         knobs,
         template,
-        cancel,
+        cancel: cancel.clone(),
         tx,
     });
-    if sent.is_err() {
-        state.load.queued.fetch_sub(1, Ordering::SeqCst);
-    }
     match sent {
-        Ok(()) => Ok((rx, guard)),
-        Err(TrySendError::Full(_)) => Err(ApiError::new(
+        Ok(ticket) => Ok((
+            rx,
+            CancelOnDrop {
+                cancel,
+                queued: Some((state.jobs.clone(), ticket)),
+            },
+        )),
+        Err(PushError::Full) => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_busy",
             format!(
@@ -65,12 +77,24 @@ pub(super) fn enqueue(
                 state.queue
             ),
         )),
-        Err(TrySendError::Disconnected(_)) => Err(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "server_error",
-            "the model worker stopped",
-        )),
+        Err(PushError::Closed) => Err(match state.worker.get() {
+            Phase::Failed(reason) => worker_failed(&reason),
+            _ => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable_error",
+                "the server is shutting down",
+            ),
+        }),
     }
+}
+
+/// The answer while the model worker cannot take requests (the server is shutting down).
+pub(super) fn worker_failed(reason: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "unavailable_error",
+        format!("the model worker failed: {reason}"),
+    )
 }
 
 /// Waits until a queued job starts (or fails before producing anything).

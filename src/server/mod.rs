@@ -19,13 +19,13 @@ mod jobs;
 mod llama;
 mod ollama;
 mod openai;
+mod queue;
 mod signals;
 mod webui;
 pub mod worker;
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -42,8 +42,9 @@ use self::body::{read_body, BodyLimits};
 pub use self::conn::ConnLimits;
 pub use self::cors::Cors;
 pub use self::ollama::ModelCard;
+use self::queue::{FailOnPanic, JobQueue, Phase, WorkerState};
 use self::signals::Signals;
-use self::worker::{Job, Limits, Load, Shutdown};
+use self::worker::{Limits, Load, Shutdown};
 use crate::error::{Error, Result};
 use crate::runtime::Loaded;
 
@@ -62,7 +63,9 @@ pub struct ServerConfig {
 }
 
 struct AppState {
-    jobs: SyncSender<Job>,
+    jobs: Arc<JobQueue>,
+    /// Whether the worker can take requests (`/health`).
+    worker: Arc<WorkerState>,
     model: String,
     api_key: Option<String>,
     queue: usize,
@@ -101,9 +104,20 @@ fn method_not_allowed(
 }
 
 /// llama-server's `/health`, with the load: requests decoding, waiting, and the slots free.
+/// 200 only when a request can be answered: 503 while the worker sets up its cache, after it
+/// failed, and once it has stopped.
 async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let unavailable = |m: String| {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", m).into_response()
+    };
+    match state.worker.get() {
+        Phase::Ready => {}
+        Phase::Loading => return unavailable("loading model".into()),
+        Phase::Failed(reason) => return unavailable(format!("the model worker failed: {reason}")),
+        Phase::Stopped => return unavailable("the server is shutting down".into()),
+    }
     let st = state.load.stats();
-    let queued = state.load.queued.load(Ordering::SeqCst);
+    let queued = state.jobs.len();
     Json(json!({
         "status": "ok",
         "slots_processing": st.running,
@@ -116,7 +130,8 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 /// Prometheus' text format: requests, tokens, the queue, the batch, the KV cache.
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let st = state.load.stats();
-    let queued = state.load.queued.load(Ordering::SeqCst);
+    let queued = state.jobs.len();
+    let cancelled = st.requests_cancelled + state.jobs.cancelled();
     let n = |v: u64| v.to_string();
     let secs = |v: f64| format!("{v:.6}");
     let (counter, gauge) = ("counter", "gauge");
@@ -124,7 +139,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     #[rustfmt::skip]
     let rows = [
         ("requests_finished_total", counter, "Requests answered in full.", n(st.requests_finished)),
-        ("requests_cancelled_total", counter, "Requests cancelled (client gone, stop string, shutdown).", n(st.requests_cancelled)),
+        ("requests_cancelled_total", counter, "Requests cancelled (client gone, while queued too; stop string; shutdown).", n(cancelled)),
         ("requests_failed_total", counter, "Requests that failed after being queued.", n(st.requests_failed)),
         ("tokens_generated_total", counter, "Answer tokens generated.", n(st.tokens_generated)),
         ("prompt_tokens_total", counter, "Prompt tokens of admitted requests.", n(st.prompt_tokens)),
@@ -189,22 +204,34 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
     let vocab = crate::model::Forward::config(&loaded.model).vocab;
     let props = props(&loaded, &limits);
     let shutdown = Arc::new(Shutdown::default());
-    let (jobs_tx, jobs_rx) = sync_channel::<Job>(cfg.queue);
-    let worker_shutdown = shutdown.clone();
+    let jobs = Arc::new(JobQueue::new(cfg.queue));
+    let worker_state = Arc::new(WorkerState::default());
     let load = Load::default();
-    let worker_load = load.clone();
     let parallel = limits.parallel;
-    let worker = std::thread::Builder::new()
-        .name("refusion-worker".into())
-        .spawn(move || worker::run(loaded, limits, jobs_rx, &worker_shutdown, &worker_load))
-        .map_err(|e| Error::msg(format!("cannot start the worker: {e}")))?;
+    let worker = {
+        let (shutdown, jobs, load, state) = (
+            shutdown.clone(),
+            jobs.clone(),
+            load.clone(),
+            worker_state.clone(),
+        );
+        std::thread::Builder::new()
+            .name("refusion-worker".into())
+            .spawn(move || {
+                let _panic = FailOnPanic(&state);
+                let outcome = worker::run(loaded, limits, &jobs, &shutdown, &load, &state);
+                state.finish(outcome.map_err(|e| e.to_string()));
+            })
+            .map_err(|e| Error::msg(format!("cannot start the worker: {e}")))?
+    };
     let body = BodyLimits {
         max_bytes: cfg.max_body_bytes,
         timeout: cfg.conn.body,
     };
     let app = router(
         AppState {
-            jobs: jobs_tx,
+            jobs: jobs.clone(),
+            worker: worker_state.clone(),
             model: cfg.model_name.clone(),
             api_key: cfg.api_key.clone(),
             queue: cfg.queue,
@@ -220,7 +247,7 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
         },
         cors,
     );
-    eprintln!(
+    let ready_line = format!(
         "refusion serve: listening on http://{local} (model '{}'){}",
         cfg.model_name,
         if cfg.webui {
@@ -229,15 +256,30 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
             ""
         }
     );
+    let outcome = worker_state.clone();
     rt.block_on(async move {
-        let stop = first_signal(signals, shutdown, cfg.conn.grace);
+        // Connections are taken at once (`/health` says 503 while the worker sets up); the
+        // line that says the server listens comes once requests can be answered.
+        tokio::spawn(announce_when_ready(worker_state.clone(), ready_line));
+        let stop = {
+            let (shutdown, state) = (shutdown.clone(), worker_state.clone());
+            async move {
+                tokio::select! {
+                    () = first_signal(signals, shutdown.clone(), cfg.conn.grace) => {}
+                    reason = worker_failure(state) => {
+                        eprintln!("refusion serve: the model worker failed ({reason}); shutting down");
+                        shutdown.request();
+                    }
+                }
+            }
+        };
         let (deadline, left) = conn::run(listener, app, cfg.conn, stop).await;
         if left > 0 {
             eprintln!("refusion serve: closed {left} connection(s) still open at the deadline");
         }
-        // The router, and with it the job queue's sender, is gone: the worker ends after its
-        // current job, which was cancelled. Waited for here, on the runtime, so that the
-        // second-signal task still runs.
+        // No more jobs: the worker ends after its current one, which was cancelled. Waited
+        // for here, on the runtime, so that the second-signal task still runs.
+        jobs.close();
         while !worker.is_finished() && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
@@ -248,8 +290,35 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_millis(100));
+    if let Phase::Failed(reason) = outcome.get() {
+        return Err(Error::msg(reason));
+    }
     eprintln!("refusion serve: stopped");
     Ok(())
+}
+
+/// Prints the listening line once the worker is ready (never, if it fails first).
+async fn announce_when_ready(state: Arc<WorkerState>, line: String) {
+    loop {
+        match state.get() {
+            Phase::Ready => {
+                eprintln!("{line}");
+                return;
+            }
+            Phase::Loading => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
+            Phase::Failed(_) | Phase::Stopped => return,
+        }
+    }
+}
+
+/// Resolves with the reason when the worker has failed (it ended with an error or panicked).
+async fn worker_failure(state: Arc<WorkerState>) -> String {
+    loop {
+        if let Phase::Failed(reason) = state.get() {
+            return reason;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }
 
 /// llama-server's `/props`: the defaults a request starts from, the context, the template.

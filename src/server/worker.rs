@@ -2,7 +2,6 @@
 //! `--parallel` requests together (continuous batching) and shares their prompts' entries.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 
 use axum::http::StatusCode;
@@ -10,6 +9,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{ApiError, Knobs};
 use super::fill::{FillSpec, Fills};
+use super::queue::{JobQueue, Phase, Pop, WorkerState};
 use crate::chat::{ChatTemplate, Message, TextStream};
 use crate::decode::{DecodeParams, Event, Trace};
 use crate::error::{Error, RequestError};
@@ -215,7 +215,6 @@ impl StopFilter {
 #[derive(Clone, Default)]
 pub struct Load {
     pub stats: Arc<Mutex<Stats>>,
-    pub queued: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Load {
@@ -226,8 +225,17 @@ impl Load {
 
 /// The worker: owns the model and the scheduler, takes jobs from the queue as requests finish
 /// (up to `parallel` in the scheduler; the rest wait in the bounded queue) and steps the
-/// scheduler until the queue closes.
-pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutdown, load: &Load) {
+/// scheduler until the queue closes. `state` goes from loading to ready once the cache is set
+/// up; an error there ends the worker (every queued job is answered 503 with it) and comes back
+/// for the server to exit with.
+pub fn run(
+    loaded: Loaded,
+    limits: Limits,
+    jobs: &JobQueue,
+    shutdown: &Shutdown,
+    load: &Load,
+    state: &WorkerState,
+) -> Result<(), Error> {
     let parallel = limits.parallel.max(1);
     let template = loaded
         .file
@@ -238,10 +246,16 @@ pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutd
     let cache = match loaded.new_cache(loaded.context + limits.max_gen_length as usize) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("error: {e}");
-            return;
+            let reason = e.to_string();
+            state.set(Phase::Failed(reason.clone()));
+            for job in jobs.close_and_drain() {
+                let _ = job.tx.send(Msg::Error(super::jobs::worker_failed(&reason)));
+                let _ = job.tx.send(Msg::End);
+            }
+            return Err(e);
         }
     };
+    state.set(Phase::Ready);
     let mut sched = Scheduler::new(&loaded.model, cache, parallel);
     // Scratch beyond the context is the cache's; a request may use the context.
     sched.limit_requests(loaded.context);
@@ -250,6 +264,7 @@ pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutd
         template: template.as_ref(),
         limits: &limits,
         shutdown,
+        jobs,
     };
     let mut open = true;
     loop {
@@ -259,9 +274,8 @@ pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutd
             if st.running + st.waiting >= parallel {
                 break;
             }
-            match next_job(&jobs, sched.is_idle(), shutdown) {
+            match next_job(jobs, sched.is_idle(), shutdown) {
                 Next::Job(job) => {
-                    load.queued.fetch_sub(1, Ordering::SeqCst);
                     if let Some(req) = ctx.admit(*job) {
                         sched.submit(req);
                     }
@@ -277,6 +291,7 @@ pub fn run(loaded: Loaded, limits: Limits, jobs: Receiver<Job>, shutdown: &Shutd
         sched.step();
         *load.stats.lock().unwrap_or_else(|e| e.into_inner()) = sched.stats();
     }
+    Ok(())
 }
 
 /// What the queue gave.
@@ -293,20 +308,14 @@ enum Next {
 /// The next job: waited for when the scheduler is idle (but the wait ends at shutdown even
 /// while some other answer, a /tokenize say, still holds the queue's sender open), only taken
 /// if there when it is busy.
-fn next_job(jobs: &Receiver<Job>, idle: bool, shutdown: &Shutdown) -> Next {
-    if idle {
-        match jobs.recv_timeout(std::time::Duration::from_millis(50)) {
-            Ok(j) => Next::Job(Box::new(j)),
-            Err(RecvTimeoutError::Timeout) if shutdown.requested() => Next::Closed,
-            Err(RecvTimeoutError::Timeout) => Next::Later,
-            Err(RecvTimeoutError::Disconnected) => Next::Closed,
-        }
-    } else {
-        match jobs.try_recv() {
-            Ok(j) => Next::Job(Box::new(j)),
-            Err(TryRecvError::Empty) => Next::None,
-            Err(TryRecvError::Disconnected) => Next::Closed,
-        }
+fn next_job(jobs: &JobQueue, idle: bool, shutdown: &Shutdown) -> Next {
+    let wait = idle.then_some(std::time::Duration::from_millis(50));
+    match jobs.pop(wait) {
+        Pop::Job(j) => Next::Job(j),
+        Pop::Empty if idle && shutdown.requested() => Next::Closed,
+        Pop::Empty if idle => Next::Later,
+        Pop::Empty => Next::None,
+        Pop::Closed => Next::Closed,
     }
 }
 
@@ -316,6 +325,7 @@ struct Ctx<'a> {
     template: Option<&'a ChatTemplate>,
     limits: &'a Limits,
     shutdown: &'a Shutdown,
+    jobs: &'a JobQueue,
 }
 
 impl<'a> Ctx<'a> {
@@ -323,6 +333,8 @@ impl<'a> Ctx<'a> {
     /// (cancelled while queued, the server shutting down, or a mistake in it).
     fn admit(&self, job: Job) -> Option<Request<'a>> {
         if job.cancel.load(Ordering::SeqCst) {
+            // Its client left between the take and now (else the job was withdrawn).
+            self.jobs.note_cancelled();
             let _ = job.tx.send(Msg::End);
             return None;
         }
