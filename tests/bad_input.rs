@@ -4,7 +4,7 @@
 mod common;
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use common::*;
 
@@ -71,7 +71,7 @@ impl Case {
             } else {
                 assert!(!out.exists(), "output file left behind");
             }
-            assert!(!partial(&out).exists(), "partial file left behind");
+            assert!(temporaries(&out).is_empty(), "partial file left behind");
         }
     }
 
@@ -99,12 +99,6 @@ impl Case {
         f(&mut tensors);
         write_weights(&self.dir, &tensors, 1);
     }
-}
-
-fn partial(out: &Path) -> PathBuf {
-    let mut s = out.as_os_str().to_os_string();
-    s.push(".partial");
-    PathBuf::from(s)
 }
 
 #[test]

@@ -411,7 +411,7 @@ fn every_command_refuses_bad_input_cleanly() {
             && c.needles.iter().all(|n| err.contains(n))
             && c.output
                 .as_ref()
-                .is_none_or(|p| !p.exists() && !p.with_extension("gguf.partial").exists());
+                .is_none_or(|p| !p.exists() && temporaries(p).is_empty());
         if !ok {
             failures.push(format!("{:?}: exit {:?}\n{err}", c.args, o.status.code()));
         }

@@ -24,7 +24,7 @@ fn convert(dir: &Path, out: &Path, outtype: &str, extra: &[&str]) {
     args.extend_from_slice(extra);
     let o = run(&args);
     assert!(o.status.success(), "convert failed:\n{}", stderr(&o));
-    assert!(!out.with_extension("gguf.partial").exists());
+    assert!(temporaries(out).is_empty());
 }
 
 fn decode(file: &GgufFile, name: &str) -> (GgmlType, Vec<u64>, Vec<f32>) {

@@ -252,7 +252,7 @@ fn hub_failures_are_one_line_with_no_output_file() {
     let check = |o: &Output, needles: &[&str]| {
         assert_fails_with(o, needles);
         assert!(!s.dir.join("x.gguf").exists());
-        assert!(!s.dir.join("x.gguf.partial").exists());
+        assert!(temporaries(&s.dir.join("x.gguf")).is_empty());
     };
     let o = refusion(
         &s,

@@ -5,17 +5,11 @@
 mod common;
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-
-fn partial(out: &Path) -> PathBuf {
-    let mut s = out.as_os_str().to_os_string();
-    s.push(".partial");
-    PathBuf::from(s)
-}
 
 /// Starts a conversion, waits until it is writing tensor data, sends `signal`, and returns
 /// the exit status and stderr.
@@ -36,12 +30,11 @@ fn interrupt_with(dir: &Path, out: &Path, signal: &str) -> (Option<i32>, String)
         .spawn()
         .unwrap();
     let start = Instant::now();
-    let part = partial(out);
     loop {
-        if fs::metadata(&part)
-            .map(|m| m.len() > 256 * 1024)
-            .unwrap_or(false)
-        {
+        let writing = temporaries(out)
+            .iter()
+            .any(|t| fs::metadata(t).is_ok_and(|m| m.len() > 256 * 1024));
+        if writing {
             break;
         }
         assert!(
@@ -88,18 +81,25 @@ fn signals_mid_write_leave_no_partial_and_keep_the_old_file() {
         assert_eq!(code, Some(130), "{signal}: {err}");
         assert!(err.contains("interrupted"), "{signal}: {err}");
         assert!(!err.contains("panicked"), "{err}");
-        assert!(!partial(&out).exists(), "{signal}: partial file left");
+        assert!(temporaries(&out).is_empty(), "{signal}: partial file left");
         assert_eq!(
             fs::read(&out).unwrap(),
             b"the previous model",
             "{signal}: old file changed"
         );
     }
-    // SIGKILL cannot be caught: the partial file may remain, but the target is untouched, and
-    // where there was none, there is none.
+    // SIGKILL cannot be caught: the temporary remains (hidden, and unlocked now that its
+    // writer is gone), but the target is untouched, and where there was none, there is none.
     let (code, _) = interrupt_with(&dir, &out, "-KILL");
     assert_eq!(code, None);
     assert_eq!(fs::read(&out).unwrap(), b"the previous model");
+    let left = temporaries(&out);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0]
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .starts_with(".model.gguf."));
     let fresh = tmp.path().join("fresh.gguf");
     let (code, _) = interrupt_with(&dir, &fresh, "-KILL");
     assert_eq!(code, None);
@@ -107,7 +107,15 @@ fn signals_mid_write_leave_no_partial_and_keep_the_old_file() {
         !fresh.exists(),
         "a killed conversion must not leave a target file"
     );
-    // A later run replaces the stale partial file and completes.
+    // A later run writes a temporary of its own and completes; the leftover, once old
+    // enough that no writer can be just starting it (aged here), is swept.
+    let old = std::time::SystemTime::now() - Duration::from_secs(60);
+    fs::File::options()
+        .write(true)
+        .open(&left[0])
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
     let o = run(&[
         "convert",
         dir.to_str().unwrap(),
@@ -118,6 +126,10 @@ fn signals_mid_write_leave_no_partial_and_keep_the_old_file() {
         "-q",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(!partial(&out).exists());
+    assert!(temporaries(&out).is_empty());
+    assert!(
+        temporaries(&fresh).len() == 1,
+        "another target's leftover is its own"
+    );
     assert!(fs::read(&out).unwrap().starts_with(b"GGUF"));
 }

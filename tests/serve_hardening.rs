@@ -379,6 +379,80 @@ fn every_error_answer_is_an_error_object() {
     let (status, _, body) = request(&server, "POST", CHAT, &[], "{not json");
     assert_eq!(status, 400);
     error_message(&body);
+    // The page's route too (axum's own 405).
+    let (status, head, body) = request(&server, "TRACE", "/", &[], "");
+    assert_eq!(status, 405, "{body}");
+    assert!(head.contains("allow: get"), "{head}");
+    assert!(
+        error_message(&body).contains("method TRACE is not allowed"),
+        "{body}"
+    );
+    // A body that is not JSON, whatever it starts with.
+    let (status, _, body) = request(&server, "POST", CHAT, &[], &"[".repeat(900));
+    assert_eq!(status, 400, "{body}");
+    assert!(error_message(&body).starts_with("malformed JSON"), "{body}");
+    // hyper's own answers to what it cannot parse.
+    for (raw, code, needle) in [
+        (
+            "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: abc\r\n\r\n"
+                .to_string(),
+            400,
+            "malformed HTTP request",
+        ),
+        (
+            format!(
+                "GET /health HTTP/1.1\r\nHost: localhost\r\nX-Pad: {}\r\n\r\n",
+                "a".repeat(70_000)
+            ),
+            431,
+            "headers are too large",
+        ),
+    ] {
+        let mut s = connect(&server);
+        s.write_all(raw.as_bytes()).unwrap();
+        let (status, head, body) = read_response(&mut s);
+        assert_eq!(status, code, "{head}");
+        assert!(head.contains("content-type: application/json"), "{head}");
+        assert!(head.contains("x-content-type-options: nosniff"), "{head}");
+        assert!(error_message(&body).contains(needle), "{body}");
+    }
+    // JSON answers are never sniffed as something else.
+    let (status, head, _) = request(&server, "GET", "/v1/models", &[], "");
+    assert_eq!(status, 200);
+    assert!(head.contains("x-content-type-options: nosniff"), "{head}");
+}
+
+#[test]
+fn host_names_that_only_look_local_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let server = Server::start(&model, &[]);
+    for host in [
+        "localhost:80@evil.example",
+        "evil.example\\.localhost",
+        "localhost:99999",
+        "evil.example/.localhost",
+    ] {
+        let mut s = connect(&server);
+        let raw = format!("GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        s.write_all(raw.as_bytes()).unwrap();
+        let (status, _, body) = read_response(&mut s);
+        assert_eq!(status, 403, "{host}: {body}");
+        assert!(
+            error_message(&body).contains("is not this server"),
+            "{body}"
+        );
+    }
+    let o = run(&[
+        "serve",
+        "-m",
+        model.to_str().unwrap(),
+        "--port",
+        "0",
+        "--cors-origin",
+        "http://x:99999",
+    ]);
+    assert_fails_with(&o, &["--cors-origin 'http://x:99999' is not an origin"]);
 }
 
 const LONG: &str = r#"{"messages":[{"role":"user","content":"hello"}],"max_tokens":4000,"stream":true,"slot_size":4,"serial_blocks":1000}"#;
@@ -717,5 +791,143 @@ fn the_same_signal_twice_exits_at_once() {
             .wait_exit(Duration::from_secs(5))
             .expect("the second signal did not exit");
         assert_eq!(status.code(), Some(130), "{sig}: {status:?}");
+    }
+}
+
+/// A Prometheus value from `/metrics`.
+fn metric(server: &Server, name: &str) -> u64 {
+    let (status, _, body) = request(server, "GET", "/metrics", &[], "");
+    assert_eq!(status, 200, "{body}");
+    body.lines()
+        .find_map(|l| l.strip_prefix(&format!("refusion_{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {body}"))
+}
+
+/// Waits until `f` holds (polled), up to `limit`.
+fn eventually(limit: Duration, what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < limit, "{what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn requests_whose_clients_left_while_queued_free_their_places_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fast_model(tmp.path());
+    let server = Server::start(
+        &model,
+        &[
+            "-c",
+            "8192",
+            "--max-gen-length",
+            "4000",
+            "-np",
+            "1",
+            "--queue",
+            "2",
+        ],
+    );
+    // The one place in the scheduler is busy for a long while (a token per forward).
+    let mut running = connect(&server);
+    post_chat(
+        &mut running,
+        &LONG.replace(
+            r#""slot_size":4,"serial_blocks":1000"#,
+            r#""slot_size":1,"serial_blocks":4000"#,
+        ),
+    );
+    eventually(
+        Duration::from_secs(20),
+        "the long request never ran",
+        || metric(&server, "requests_running") == 1,
+    );
+    // Two requests wait in the queue, which is then full.
+    let mut waiting: Vec<TcpStream> = (0..2)
+        .map(|_| {
+            let mut s = connect(&server);
+            post_chat(&mut s, &chat_body(8, false));
+            s
+        })
+        .collect();
+    eventually(Duration::from_secs(20), "two requests never queued", || {
+        metric(&server, "requests_waiting") == 2
+    });
+    let (status, _, body) = request(&server, "POST", CHAT, &[], &chat_body(8, false));
+    assert_eq!(status, 503, "the queue was not full: {body}");
+    // Their clients leave: the places are free at once (the running request still runs),
+    // and the two are counted cancelled.
+    let before = metric(&server, "requests_cancelled_total");
+    for s in waiting.drain(..) {
+        s.shutdown(std::net::Shutdown::Both).unwrap();
+    }
+    eventually(
+        Duration::from_secs(20),
+        "dead requests kept their places",
+        || metric(&server, "requests_waiting") == 0,
+    );
+    assert_eq!(metric(&server, "requests_cancelled_total"), before + 2);
+    assert_eq!(metric(&server, "requests_running"), 1);
+    // A new client is queued, not refused.
+    let mut next = connect(&server);
+    post_chat(&mut next, &chat_body(8, false));
+    eventually(
+        Duration::from_secs(20),
+        "the new request was not queued",
+        || metric(&server, "requests_waiting") == 1,
+    );
+}
+
+/// Starts `refusion serve ARGS` and waits for it to exit (up to `limit`).
+fn serve_exit(args: &[&str], limit: Duration) -> (Option<i32>, String) {
+    let mut child = std::process::Command::new(bin())
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            let o = child.wait_with_output().unwrap();
+            panic!("serve kept running:\n{}", stderr(&o));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = child.wait_with_output().unwrap();
+    (o.status.code(), stderr(&o))
+}
+
+#[test]
+fn a_server_whose_kv_file_fails_exits_with_the_reason() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fast_model(tmp.path());
+    let m = model.to_str().unwrap();
+    let kv = tmp.path().join("kv.bin");
+    let k = kv.to_str().unwrap();
+    // Another run holds the file.
+    let first = Server::start(&model, &["--kv-file", k]);
+    assert_eq!(health(&first), 200);
+    let (code, err) = serve_exit(
+        &["serve", "-m", m, "--port", "0", "--kv-file", k],
+        Duration::from_secs(60),
+    );
+    assert_ne!(code, Some(0), "{err}");
+    assert!(err.contains("in use by another refusion"), "{err}");
+    assert!(!err.contains("listening on"), "it announced itself: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    drop(first);
+    // A folder where nothing can be created (sysfs refuses even root), when there is one.
+    if std::fs::File::create("/sys/refusion-probe").is_err() {
+        let (code, err) = serve_exit(
+            &["serve", "-m", m, "--port", "0", "--kv-file", "/sys/kv.bin"],
+            Duration::from_secs(60),
+        );
+        assert_ne!(code, Some(0), "{err}");
+        assert!(err.contains("/sys/kv.bin"), "{err}");
+        assert!(!err.contains("listening on"), "{err}");
     }
 }

@@ -236,13 +236,13 @@ fn check_output_folder(outfile: &std::path::Path) -> Result<()> {
     if !parent.is_dir() {
         anyhow::bail!("output folder '{}' does not exist", parent.display());
     }
-    if outfile.is_dir() {
-        anyhow::bail!("output path '{}' is a directory", outfile.display());
-    }
+    // A link, directory, FIFO or device is refused before any work (see refusion_gguf::atomic).
+    refusion_gguf::atomic::check_target(outfile)?;
     Ok(())
 }
 
 pub fn quantize(a: QuantizeArgs) -> Result<()> {
+    check_output_folder(&a.output)?;
     // Writing the output over the input would destroy it (the atomic rename replaces it).
     if let (Ok(i), Ok(o)) = (a.input.canonicalize(), a.output.canonicalize()) {
         if i == o {

@@ -284,6 +284,7 @@ fn run_batch(a: &GenerateArgs, path: &std::path::Path) -> Result<()> {
                 parent.unwrap_or(out).display()
             );
         }
+        refusion_gguf::atomic::check_target(out)?;
         if out.canonicalize().ok() == path.canonicalize().ok() && out.exists() {
             bail!(
                 "{}: the output would overwrite the batch file",

@@ -316,6 +316,13 @@ fn deserialize_inner<T: serde::de::DeserializeOwned>(
         if inner.is_syntax() || inner.is_eof() {
             return ApiError::bad_request(format!("malformed JSON: {inner}"));
         }
+        // serde reads and checks at once, so a value of the wrong type can be met before the
+        // body turns out not to be JSON at all (100,000 unclosed `[`): that is said first.
+        if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+            if e.is_syntax() || e.is_eof() {
+                return ApiError::bad_request(format!("malformed JSON: {e}"));
+            }
+        }
         let msg = inner.to_string();
         let msg = msg.split(" at line ").next().unwrap_or(&msg);
         // A missing field is reported on the object that lacks it.
@@ -385,5 +392,19 @@ mod tests {
             assert!(format!("{e:?}").contains("trailing data"), "{e:?}");
         }
         assert!(parse::<Knobs>(b"{}{}").is_err());
+    }
+
+    #[test]
+    fn a_body_that_is_not_json_is_called_malformed_whatever_it_starts_with() {
+        for bad in [
+            "[".repeat(100_000),
+            format!("{}1", "[".repeat(100)),
+            r#"{"max_tokens":"x","#.to_string(),
+        ] {
+            let e = parse_with_knobs::<ChatRequest>(bad.as_bytes()).unwrap_err();
+            assert!(e.message().starts_with("malformed JSON"), "{e:?}");
+        }
+        let e = parse_with_knobs::<ChatRequest>(br#"{"max_tokens":"x"}"#).unwrap_err();
+        assert!(e.message().contains("max_tokens"), "{e:?}");
     }
 }

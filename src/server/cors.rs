@@ -141,13 +141,39 @@ fn normalize_origin(s: &str) -> Option<String> {
     Some(format!("{scheme}://{rest}"))
 }
 
-/// The host of `host[:port]` (`[::1]:8080` → `::1`).
+/// The host of `host[:port]` (`[::1]:8080` → `::1`), or `None` when `authority` is not one:
+/// the host a name of letters, digits, `-`, `_` and `.`, or an IP address (IPv6 in brackets),
+/// and the port, if any, a number up to 65535. So `localhost:80@evil.example` (a port that is
+/// not one) or `evil.example\.localhost` (a name with a backslash) names no host at all.
 fn host_name(authority: &str) -> Option<&str> {
-    if let Some(rest) = authority.strip_prefix('[') {
-        let (ip, after) = rest.split_once(']')?;
-        return (after.is_empty() || after.starts_with(':')).then_some(ip);
-    }
-    Some(authority.split(':').next().unwrap_or(authority))
+    let (host, port) = match authority.strip_prefix('[') {
+        Some(rest) => {
+            let (ip, after) = rest.split_once(']')?;
+            ip.parse::<std::net::Ipv6Addr>().ok()?;
+            let port = match after {
+                "" => None,
+                a => Some(a.strip_prefix(':')?),
+            };
+            (ip, port)
+        }
+        None => {
+            let (host, port) = match authority.split_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (authority, None),
+            };
+            let name = host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+            if host.is_empty() || !name {
+                return None;
+            }
+            (host, port)
+        }
+    };
+    let port_ok = port.is_none_or(|p| {
+        !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && p.parse::<u16>().is_ok()
+    });
+    port_ok.then_some(host)
 }
 
 /// `localhost`, `*.localhost`, `localhost.localdomain` or a loopback address.
@@ -283,6 +309,10 @@ mod tests {
             "http://",
             "http://a/b",
             "http://*.x",
+            "http://x:99999",
+            "http://x:",
+            "http://x:8a",
+            "http://x\\.y",
         ] {
             assert!(Cors::new(&[bad.into()], lo, None).is_err(), "{bad}");
         }
@@ -296,6 +326,16 @@ mod tests {
             "localhost.evil.net",
             "mybox-not-mine",
             "x.local",
+            // Authorities that only look like a loopback name.
+            "localhost:80@evil.example",
+            "evil.example\\.localhost",
+            "localhost:99999",
+            "localhost:",
+            "127.0.0.1:80:80",
+            "[::1]x",
+            "[evil.example]:80",
+            "evil.example/.localhost",
+            "",
         ] {
             assert!(!c.answers_to(bad), "{bad}");
         }

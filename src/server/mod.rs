@@ -479,5 +479,43 @@ fn router(state: AppState, cors: Cors) -> Router {
         cors::cors,
     ))
     .layer(middleware::from_fn(log_request))
+    .layer(middleware::from_fn(harden_response))
     .with_state(state)
+}
+
+/// Outermost: `X-Content-Type-Options: nosniff` on every answer (a browser never runs a JSON
+/// or text answer as something else), and an error without a body (axum's own 405 on the
+/// page's routes, say) given the API's error object, as every other error has.
+async fn harden_response(req: Request, next: Next) -> Response {
+    use http_body::Body as _;
+    let method = req.method().clone();
+    let mut res = next.run(req).await;
+    let status = res.status();
+    if status.as_u16() >= 400 && method != Method::HEAD && res.body().size_hint().exact() == Some(0)
+    {
+        // (axum adds the `Allow` header after this layer.)
+        let message = match status {
+            StatusCode::METHOD_NOT_ALLOWED => format!(
+                "method {method} is not allowed here (the Allow header lists those that are)"
+            ),
+            s => s.canonical_reason().unwrap_or("error").to_string(),
+        };
+        let kind = if status.is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        };
+        let (mut parts, _) = res.into_parts();
+        let fresh = ApiError::new(status, kind, message).into_response();
+        parts.headers.remove(header::CONTENT_LENGTH);
+        for (name, value) in fresh.headers() {
+            parts.headers.insert(name, value.clone());
+        }
+        res = Response::from_parts(parts, fresh.into_body());
+    }
+    res.headers_mut().insert(
+        header::HeaderName::from_static("x-content-type-options"),
+        HeaderValue::from_static("nosniff"),
+    );
+    res
 }

@@ -38,6 +38,28 @@ pub fn fixture_model(name: &str) -> PathBuf {
     fixtures().join("models").join(name)
 }
 
+/// The temporaries refusion's writers left for `out` (`.NAME.XXXXXXXX.partial` beside it),
+/// and files with the fixed `NAME.partial` of older versions.
+pub fn temporaries(out: &Path) -> Vec<PathBuf> {
+    let name = out.file_name().unwrap().to_string_lossy().into_owned();
+    let dir = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let Ok(entries) = fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| {
+            *n == format!("{name}.partial")
+                || (n.starts_with(&format!(".{name}.")) && n.ends_with(".partial"))
+        })
+        .map(|n| dir.join(n))
+        .collect()
+}
+
 /// Runs `refusion ARGS...` and returns its output.
 pub fn run(args: &[&str]) -> Output {
     Command::new(bin())

@@ -12,13 +12,58 @@ use tokio::net::TcpStream;
 
 use super::tracker::Tracker;
 
-/// The socket: reports bytes arriving, and writes refused or going through.
+/// The socket: reports bytes arriving, and writes refused or going through; hyper's own
+/// error answers go out with the API's error body ([`super::canned`]).
 pub struct WatchedIo {
     pub inner: TcpStream,
     pub tracker: Arc<Tracker>,
+    /// An answer sent in place of hyper's: its bytes, how many are written, and the length of
+    /// hyper's write that it stands for (reported once all of it is out).
+    pub replacing: Option<(Vec<u8>, usize, usize)>,
 }
 
 impl WatchedIo {
+    pub fn new(inner: TcpStream, tracker: Arc<Tracker>) -> WatchedIo {
+        WatchedIo {
+            inner,
+            tracker,
+            replacing: None,
+        }
+    }
+
+    /// Writes the replacement of hyper's answer `buf` (started when `buf` is one), and reports
+    /// `buf` written once all of it is; `None` when `buf` is an ordinary write.
+    fn poll_replace(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Option<Poll<io::Result<usize>>> {
+        if self.replacing.is_none() {
+            // The cheap test first: most writes are answers' bodies.
+            let error_head = buf.starts_with(b"HTTP/1.1 4") || buf.starts_with(b"HTTP/1.1 5");
+            if !error_head || self.tracker.in_flight() {
+                return None;
+            }
+            let bytes = super::canned::with_error_body(buf)?;
+            self.replacing = Some((bytes, 0, buf.len()));
+        }
+        let (bytes, done, stands_for) = self.replacing.as_mut()?;
+        while *done < bytes.len() {
+            let r = Pin::new(&mut self.inner).poll_write(cx, &bytes[*done..]);
+            let n = match r {
+                Poll::Ready(Ok(n)) => n,
+                other => return Some(other),
+            };
+            if n == 0 {
+                return Some(Poll::Ready(Ok(0)));
+            }
+            *done += n;
+        }
+        let n = *stands_for;
+        self.replacing = None;
+        Some(Poll::Ready(Ok(n)))
+    }
+
     fn wrote(&self, r: &Poll<io::Result<usize>>) {
         match r {
             Poll::Pending => self.tracker.on_write_blocked(),
@@ -66,7 +111,10 @@ impl AsyncWrite for WatchedIo {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        let r = match self.poll_replace(cx, buf) {
+            Some(r) => r,
+            None => Pin::new(&mut self.inner).poll_write(cx, buf),
+        };
         self.wrote(&r);
         r
     }
@@ -76,6 +124,14 @@ impl AsyncWrite for WatchedIo {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        // hyper's answer is a head alone: one slice.
+        let mut nonempty = bufs.iter().filter(|b| !b.is_empty());
+        if let (Some(only), None) = (nonempty.next(), nonempty.next()) {
+            if let Some(r) = self.poll_replace(cx, only) {
+                self.wrote(&r);
+                return r;
+            }
+        }
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
         self.wrote(&r);
         r

@@ -23,6 +23,7 @@
 //! closed at once; the others are told to close after their response, which must end by the
 //! drain deadline.
 
+mod canned;
 mod io;
 mod tracker;
 
@@ -87,10 +88,7 @@ async fn serve_connection(
     // read; a fixed one bounds that memory and lets a stalled reader show soon. Answers here
     // are text: 32 KiB in flight carries ~160 KB/s even at 200 ms of round trip.
     let _ = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER);
-    let io = TokioIo::new(WatchedIo {
-        inner: stream,
-        tracker: tracker.clone(),
-    });
+    let io = TokioIo::new(WatchedIo::new(stream, tracker.clone()));
     let t = tracker.clone();
     let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
         t.request_started();

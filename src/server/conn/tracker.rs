@@ -129,6 +129,11 @@ impl Tracker {
         });
     }
 
+    /// A request is with the service, or its answer is being sent.
+    pub fn in_flight(&self) -> bool {
+        self.lock().in_flight > 0
+    }
+
     /// The request's body was read whole (or given up on).
     pub fn body_received(&self) {
         self.update(|s| std::mem::replace(&mut s.receiving, false));
