@@ -16,6 +16,8 @@ pub const PROMPT_BYTES: u64 = 8 << 20;
 /// The longest token of Qwen3's vocabulary, in bytes: a context of `c` tokens holds at most
 /// `c` times this much text.
 const LONGEST_TOKEN_BYTES: u64 = 128;
+// The trained context's worth of text is within the fixed bound.
+const _: () = assert!(40_960 * LONGEST_TOKEN_BYTES <= PROMPT_BYTES);
 /// The longest line of a batch file (one request) or of chat input from a pipe.
 pub const LINE_BYTES: usize = PROMPT_BYTES as usize;
 /// The most requests in one batch, and the most text in all.
@@ -171,7 +173,6 @@ mod tests {
         assert_eq!(prompt_limit(None), PROMPT_BYTES);
         assert_eq!(prompt_limit(Some(40_960)), PROMPT_BYTES);
         assert_eq!(prompt_limit(Some(1 << 20)), 128 << 20);
-        assert!(40_960 * LONGEST_TOKEN_BYTES <= PROMPT_BYTES);
     }
 
     #[test]
