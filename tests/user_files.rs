@@ -415,9 +415,8 @@ fn no_writer_writes_through_a_planted_link() {
         assert!(o.status.success(), "{what}: {}", stderr(&o));
         assert!(!stderr(&o).contains("error"), "{what}: {}", stderr(&o));
         for (victim, before) in &victims {
-            assert_eq!(
-                &std::fs::read(victim).unwrap(),
-                before,
+            assert!(
+                &std::fs::read(victim).unwrap() == before,
                 "{what} wrote through a link into {}",
                 victim.display()
             );
