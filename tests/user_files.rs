@@ -481,6 +481,17 @@ fn an_output_that_is_a_link_or_not_a_file_is_refused_before_any_work() {
         b"the user's notes",
         &["pc.bin: is a symbolic link"],
     );
+    // The demo's checkpoint files too.
+    let demo = dir.join("demo");
+    std::fs::create_dir_all(demo.join("refusion-tiny")).unwrap();
+    std::os::unix::fs::symlink(&notes, demo.join("refusion-tiny/config.json")).unwrap();
+    let o = run(&["demo", "--dir", demo.to_str().unwrap()]);
+    refused_untouched(
+        &o,
+        &notes,
+        b"the user's notes",
+        &["config.json' is a symbolic link"],
+    );
     let kv = dir.join("kv.bin");
     std::os::unix::fs::symlink(dir.join("nowhere"), &kv).unwrap();
     let o = generate(&m, &["--kv-file", kv.to_str().unwrap()]);

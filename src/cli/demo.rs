@@ -7,6 +7,7 @@
 //! commands (see the README).
 
 use std::fs;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -158,8 +159,13 @@ fn worked_sum_template(question: &str) -> Option<String> {
 fn write_checkpoint(dir: &Path) -> Result<()> {
     fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
     for (name, bytes) in CHECKPOINT {
-        let path = dir.join(name);
-        fs::write(&path, bytes).with_context(|| path.display().to_string())?;
+        // As every file refusion writes: never through a link planted in the folder.
+        let mut out = refusion_gguf::atomic::AtomicFile::create(&dir.join(name))?;
+        let path = out.temp_path().to_path_buf();
+        out.file()
+            .write_all(bytes)
+            .with_context(|| path.display().to_string())?;
+        out.commit()?;
     }
     Ok(())
 }
