@@ -38,6 +38,55 @@ pub struct Tokenizer {
     pub mask_from_vocab: bool,
     /// Control tokens (chat markers, mask, ...), which decoding can skip.
     special: Vec<bool>,
+    /// Every token's text as bytes, end to end (`bytes[offsets[i]..offsets[i + 1]]`), for
+    /// token healing; a control token's is empty.
+    bytes: Vec<u8>,
+    offsets: Vec<u32>,
+}
+
+/// GPT-2's byte-level alphabet read back: the character standing for each byte (printable
+/// bytes stand for themselves, the others for 256 + n in order).
+fn byte_of_char() -> std::collections::HashMap<char, u8> {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    let mut map = std::collections::HashMap::with_capacity(256);
+    let mut n = 0u32;
+    for b in 0..=255u8 {
+        let c = if printable(b) {
+            b as u32
+        } else {
+            n += 1;
+            255 + n
+        };
+        if let Some(c) = char::from_u32(c) {
+            map.insert(c, b);
+        }
+    }
+    map
+}
+
+/// Each token's bytes, end to end, and where each starts (see [`Tokenizer::bytes`]).
+fn token_bytes(tokens: &[&str], types: &[i32]) -> (Vec<u8>, Vec<u32>) {
+    let map = byte_of_char();
+    let mut bytes = Vec::new();
+    let mut offsets = Vec::with_capacity(tokens.len() + 1);
+    offsets.push(0);
+    for (i, t) in tokens.iter().enumerate() {
+        match types.get(i).copied() {
+            Some(TOKEN_CONTROL) => {}
+            // Added tokens are their text as written.
+            Some(TOKEN_USER_DEFINED) => bytes.extend_from_slice(t.as_bytes()),
+            _ => {
+                for c in t.chars() {
+                    match map.get(&c) {
+                        Some(&b) => bytes.push(b),
+                        None => bytes.extend_from_slice(c.to_string().as_bytes()),
+                    }
+                }
+            }
+        }
+        offsets.push(bytes.len() as u32);
+    }
+    (bytes, offsets)
 }
 
 fn strings<'a>(h: &'a GgufHeader, key: &str) -> Result<Vec<&'a str>> {
@@ -181,6 +230,7 @@ impl Tokenizer {
         }
         let tokens = strings(h, "tokenizer.ggml.tokens")?;
         let types = token_types(h, tokens.len())?;
+        let (bytes, offsets) = token_bytes(&tokens, &types);
         let (vocab, added, special) = split_vocabulary(&tokens, &types);
         let mut inner = bpe(h, vocab, &strings(h, "tokenizer.ggml.merges")?)?;
         // Added tokens must keep their ids: registered in id order.
@@ -211,6 +261,8 @@ impl Tokenizer {
             mask_from_vocab: mask_from_vocab && mask_id.is_some(),
             mask_id,
             special,
+            bytes,
+            offsets,
         })
     }
 
@@ -241,5 +293,32 @@ impl Tokenizer {
 
     pub fn token_to_id(&self, text: &str) -> Option<u32> {
         self.inner.token_to_id(text)
+    }
+
+    /// The text of `ids` as bytes, end to end (control tokens give none).
+    pub fn bytes_of(&self, ids: &[u32]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for &id in ids {
+            out.extend_from_slice(self.raw_bytes(id));
+        }
+        out
+    }
+
+    fn raw_bytes(&self, id: u32) -> &[u8] {
+        let i = id as usize;
+        match (self.offsets.get(i), self.offsets.get(i + 1)) {
+            (Some(&a), Some(&b)) => &self.bytes[a as usize..b as usize],
+            _ => &[],
+        }
+    }
+}
+
+impl crate::decode::template::TokenBytes for Tokenizer {
+    fn vocab_len(&self) -> usize {
+        self.offsets.len().saturating_sub(1)
+    }
+
+    fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        (!self.is_special(id)).then(|| self.raw_bytes(id))
     }
 }

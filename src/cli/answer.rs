@@ -110,6 +110,9 @@ impl Report<'_> {
             "text": self.text,
             "answer_tokens": r.answer().len(),
             "eos_found": r.stopped(),
+            // The answer was cut short by its length (a gap too small for its text).
+            "truncated": !r.stopped(),
+            "finish_reason": if r.stopped() { "stop" } else { "length" },
             "gaps": self.gaps,
             "tpf": r.tpf,
             "forward_calls": r.forward_calls,
@@ -192,9 +195,10 @@ pub(super) fn gaps_json(
     for g in &f.gaps {
         gaps.push(serde_json::json!({
             "start": g.start,
-            "text": tok.decode(&g.tokens, true)?,
+            "text": g.text_of(&tok.bytes_of(&g.tokens)),
             "tokens": g.tokens,
             "eos": g.eos,
+            "truncated": g.truncated,
         }));
     }
     Ok(Some(serde_json::Value::Array(gaps)))

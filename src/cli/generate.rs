@@ -477,7 +477,7 @@ impl GenerateArgs {
                 Some(crate::decode::template::parse(t, default_gap).map_err(Into::into))
             }
             (None, Some(s)) => Some(Ok(vec![
-                TextPiece::Gap(default_gap),
+                TextPiece::Gap(crate::decode::GapSize::most(default_gap)),
                 TextPiece::Text(s.clone()),
             ])),
             _ => None,
@@ -495,7 +495,8 @@ impl GenerateArgs {
             return Ok(params);
         };
         let pieces = pieces?;
-        let t = crate::decode::Template::from_text(&pieces, |s| tokenizer.encode(s))?;
+        let t =
+            crate::decode::Template::from_text(&pieces, |s| tokenizer.encode(s), Some(tokenizer))?;
         t.validate_for(params.mask_id, vocab, params.slot_size)?;
         let params = params.with_template(t);
         params.validate()?;

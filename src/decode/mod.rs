@@ -11,6 +11,7 @@
 //! another, for comparison on the same file.
 
 mod autoregressive;
+mod fit;
 mod noise;
 mod overrides;
 mod params;
@@ -28,7 +29,7 @@ pub use params::DecodeParams;
 pub use probs::{argmax, prob};
 pub use slots::SlotDecoder;
 pub use strategy::{start, Kind, Poll, Strategy};
-pub use template::{Filled, GapFill, Piece, Template, TextPiece};
+pub use template::{Filled, FitGap, GapFill, GapSize, Healed, Piece, Template, TextPiece};
 pub use trace::{Cell, CellState, Trace};
 
 use crate::error::{Error, RequestError, Result};
@@ -106,10 +107,11 @@ impl DecodeResult {
     }
 
     /// Whether the answer ended at an EOS (OpenAI's finish reason "stop", not "length"); for
-    /// a template, whether every gap did.
+    /// a template, whether no gap was too small for its text (an exact gap: ended at an EOS;
+    /// a fitted one: that, or met the span after it).
     pub fn stopped(&self) -> bool {
         match &self.filled {
-            Some(f) => f.gaps.iter().all(|g| g.eos),
+            Some(f) => f.gaps.iter().all(|g| !g.truncated),
             None => self.eos_index.is_some_and(|i| i <= self.limit),
         }
     }

@@ -70,6 +70,13 @@ pub struct SlotDecoder {
     forward_tokens: usize,
     forward_sizes: Vec<u32>,
     phase: Phase,
+    /// Token healing: a fitted gap's first position and the tokens it admits (the planning
+    /// forward's draft of that position is taken among them: [`restrict`]).
+    first_tokens: Vec<(u32, std::sync::Arc<[u32]>)>,
+    /// Drafting only (a fitted gap's probe, [`super::fit`]): each serial block's planning
+    /// draft is taken as it is, fed with the next block's planning forward, and nothing is
+    /// verified: one forward a block.
+    drafting: bool,
     /// The batch of the forward asked for (reused between forwards).
     batch: Batch,
     /// For each token of the batch, the row of its logits (`usize::MAX`: not asked for). Only
@@ -93,7 +100,36 @@ impl SlotDecoder {
         let start = prompt.len() as u32;
         let layout = Layout::template(start, &t, params);
         let known = t.known(start, params.slot_size);
-        SlotDecoder::with_layout(prompt, cached, params, layout, known)
+        let mut d = SlotDecoder::with_layout(prompt, cached, params, layout, known);
+        d.first_tokens = t.first_tokens(start, params.slot_size);
+        d
+    }
+
+    /// The drafting-only decoder of a fitted gap's probe (see [`Self::drafting`]).
+    pub(super) fn drafting(prompt: &[u32], cached: usize, params: &DecodeParams) -> SlotDecoder {
+        let mut d = SlotDecoder::infill(prompt, cached, params);
+        d.drafting = true;
+        d
+    }
+
+    /// Committed tokens and their positions, in cache order (the prompt's first).
+    pub(super) fn committed(&self) -> (&[u32], &[u32]) {
+        (&self.cur_x, &self.cur_pos)
+    }
+
+    /// Committed and drafted tokens (a drafting decoder's drafts wait to be fed), and their
+    /// positions.
+    pub(super) fn written(&self) -> (Vec<u32>, Vec<u32>) {
+        let mut x = self.cur_x.clone();
+        let mut p = self.cur_pos.clone();
+        x.extend_from_slice(&self.pending);
+        p.extend_from_slice(&self.pending_pos);
+        (x, p)
+    }
+
+    /// The tokens-per-forward figures so far: their sum and how many steps they are of.
+    pub(super) fn tpf_parts(&self) -> (f64, usize) {
+        (self.sum_tpf, self.tpf_steps)
     }
 
     fn with_layout(
@@ -125,6 +161,8 @@ impl SlotDecoder {
             forward_tokens: 0,
             forward_sizes: Vec::new(),
             phase: Phase::Plan,
+            first_tokens: Vec::new(),
+            drafting: false,
             batch: Batch::default(),
             logit_row: Vec::new(),
         };
@@ -206,8 +244,15 @@ impl SlotDecoder {
         // Slot confidence: the probability of each slot's first token (the others' is never
         // used, so never computed: a softmax over the vocabulary each).
         let mut conf = Vec::with_capacity(n_slots);
+        let mut restricted = Vec::new();
         for j in 0..n_gen {
-            let row = logits.row(j);
+            let mut row = logits.row(j);
+            if j % k == 0 {
+                let pos = self.slots[j / k];
+                if let Some((_, admits)) = self.first_tokens.iter().find(|(p, _)| *p == pos) {
+                    row = restrict(row, admits, &mut restricted);
+                }
+            }
             let tok = if self.p.temperature > 0.0 {
                 self.noise.sample(row, self.p.temperature)
             } else {
@@ -223,6 +268,10 @@ impl SlotDecoder {
             slot_size: k,
             tokens: &x0,
         });
+        if self.drafting {
+            self.take_draft(&x0);
+            return Ok(());
+        }
         // Chosen: above the threshold, else the most confident slot.
         let mut chosen: Vec<usize> = (0..n_slots)
             .filter(|&s| conf[s] > self.p.slot_threshold)
@@ -237,6 +286,28 @@ impl SlotDecoder {
             counts_block,
         });
         Ok(())
+    }
+
+    /// A drafting decoder's step: the block's draft, up to each run's first EOS, waits to be
+    /// fed with the next planning forward; the block is done.
+    fn take_draft(&mut self, x0: &[u32]) {
+        let k = self.k;
+        for (s, &start) in self.slots.clone().iter().enumerate() {
+            if self.layout.past_eos(start) {
+                continue;
+            }
+            for j in 0..k {
+                let (tok, pos) = (x0[s * k + j], start + j as u32);
+                self.pending.push(tok);
+                self.pending_pos.push(pos);
+                if tok == self.p.eos_id {
+                    self.layout.end_at(pos);
+                    break;
+                }
+            }
+        }
+        let all: Vec<usize> = (0..self.slots.len()).collect();
+        self.end_step(all);
     }
 
     fn after_verify(
@@ -486,6 +557,19 @@ impl Strategy for SlotDecoder {
             limit: self.p.answer_limit(),
         }
     }
+}
+
+/// `row` with every token but `admits` at minus infinity (token healing: the softmax, the
+/// arg-max and the planning noise then see only the admitted tokens), in `buf`.
+fn restrict<'b>(row: &[f32], admits: &[u32], buf: &'b mut Vec<f32>) -> &'b [f32] {
+    buf.clear();
+    buf.resize(row.len(), f32::NEG_INFINITY);
+    for &t in admits {
+        if let Some(&l) = row.get(t as usize) {
+            buf[t as usize] = l;
+        }
+    }
+    buf
 }
 
 /// Global verification: the chosen slots concatenated, in position order.

@@ -126,6 +126,9 @@ pub fn start(prompt: &[u32], cached: usize, params: &DecodeParams) -> Box<dyn St
         Kind::Autoregressive => Box::new(super::autoregressive::Autoregressive::new(
             prompt, cached, params,
         )),
+        Kind::Infill if params.answer_template().fits() => {
+            Box::new(super::fit::Fit::new(prompt, cached, params))
+        }
         Kind::Infill => Box::new(super::slots::SlotDecoder::infill(prompt, cached, params)),
     }
 }

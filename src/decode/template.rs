@@ -1,17 +1,46 @@
 //! Answer templates for any-order generation ("fill the gaps"): an answer's known spans and
-//! gaps, in order. The text form marks a gap with `{{gap}}` (the request's gen length) or
-//! `{{gap:N}}` (at most N tokens); [`parse`] splits it, the front end tokenizes the spans, and
+//! gaps, in order. The text form marks a gap with `{{gap}}` (at most the request's gen length),
+//! `{{gap:N}}` (at most N tokens) or `{{gap:=N}}` (exactly N); [`parse`] splits it, the front
+//! end tokenizes the spans ([`Template::from_text`]: token healing at a fitted gap's edges), and
 //! the [`Template`] (token ids) rides in [`super::DecodeParams`] to the infill strategy
 //! ([`super::Kind::Infill`]), which commits the spans at their positions and decodes the gaps'
-//! slots. Semantics: docs/infill.md.
+//! slots; a fitted gap is found its length by [`super::fit`]. Semantics: docs/infill.md.
+
+use std::sync::Arc;
 
 use crate::error::RequestError;
 
-/// One piece of a template's text: literal text, or a gap of at most this many tokens.
+/// One piece of a template's text: literal text, or a gap.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TextPiece {
     Text(String),
-    Gap(u32),
+    Gap(GapSize),
+}
+
+/// A gap's size as written: at most `tokens` (the fill takes the length the text needs), or
+/// exactly `tokens` (`{{gap:=N}}`: filled to its end unless an EOS ends it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GapSize {
+    pub tokens: u32,
+    pub exact: bool,
+}
+
+impl GapSize {
+    /// At most `tokens`.
+    pub fn most(tokens: u32) -> GapSize {
+        GapSize {
+            tokens,
+            exact: false,
+        }
+    }
+
+    /// Exactly `tokens`.
+    pub fn exactly(tokens: u32) -> GapSize {
+        GapSize {
+            tokens,
+            exact: true,
+        }
+    }
 }
 
 /// One piece of a template in tokens.
@@ -19,8 +48,10 @@ pub enum TextPiece {
 pub enum Piece {
     /// A known span: committed at its positions before decoding.
     Known(Vec<u32>),
-    /// A gap of at most this many tokens (rounded up to whole slots when laid out).
+    /// A gap of exactly this many tokens (rounded up to whole slots when laid out).
     Gap(u32),
+    /// A gap of at most `max` tokens, decoded now at `size`: [`super::fit`].
+    Fit(FitGap),
 }
 
 /// An answer template in tokens: at least one gap.
@@ -29,11 +60,54 @@ pub struct Template {
     pub pieces: Vec<Piece>,
 }
 
+/// A gap whose fill takes the length its text needs, up to `max` tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FitGap {
+    pub max: u32,
+    /// The tokens it is decoded at now (`max` at first; the length found, afterwards).
+    pub size: u32,
+    /// Token healing at its start: the span before it ended with a token that the whole text
+    /// may have tokenized otherwise; that token was taken off the span and the fill's first
+    /// token must be one of these (sorted): the tokens whose text starts with its text.
+    pub first: Option<Healed>,
+    /// Token healing at its end: the span after it started with this token, taken off the
+    /// span; the fill is expected to end with its text (`ends`: the tokens whose text ends
+    /// with it, sorted), else the token is put back when the answer is stitched.
+    pub last: Option<Healed>,
+}
+
+/// Tokens taken off a known span at a fitted gap's edge, and the tokens that may stand for
+/// them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Healed {
+    /// In the span's order.
+    pub tokens: Vec<u32>,
+    /// Their text's length in bytes.
+    pub bytes: u32,
+    /// The tokens whose text starts (at a gap's start) or ends (at its end) with its text.
+    pub fits: Arc<[u32]>,
+}
+
+impl Healed {
+    pub fn admits(&self, token: u32) -> bool {
+        self.fits.binary_search(&token).is_ok()
+    }
+}
+
+/// The text of a vocabulary's tokens, as bytes (a token may hold part of a character), for
+/// token healing.
+pub trait TokenBytes {
+    /// Ids there are.
+    fn vocab_len(&self) -> usize;
+    /// A token's bytes; `None` for a special token (never healed, never admitted).
+    fn token_bytes(&self, id: u32) -> Option<&[u8]>;
+}
+
 const OPEN: &str = "{{gap";
 
-/// Splits a template's text at its `{{gap}}` / `{{gap:N}}` markers; `{{gap}}` is a gap of
-/// `default_gap` tokens. Refused: no gap, a malformed marker (`{{gap` not followed by `}}` or
-/// `:N}}`), a gap of 0 tokens or of more than [`refusion_gguf::decoding::MAX_TOKENS`].
+/// Splits a template's text at its `{{gap}}` / `{{gap:N}}` / `{{gap:=N}}` markers; `{{gap}}`
+/// is a gap of at most `default_gap` tokens. Refused: no gap, a malformed marker, a gap of 0
+/// tokens or of more than [`refusion_gguf::decoding::MAX_TOKENS`].
 pub fn parse(text: &str, default_gap: u32) -> Result<Vec<TextPiece>, RequestError> {
     let mut pieces = Vec::new();
     let mut rest = text;
@@ -43,22 +117,27 @@ pub fn parse(text: &str, default_gap: u32) -> Result<Vec<TextPiece>, RequestErro
         }
         let after = &rest[at + OPEN.len()..];
         let end = after.find("}}").ok_or_else(|| malformed(&rest[at..]))?;
-        let n = match &after[..end] {
-            "" => default_gap,
+        let size = match &after[..end] {
+            "" => GapSize::most(default_gap),
             arg => {
-                let digits = arg
+                let arg = arg
                     .strip_prefix(':')
                     .ok_or_else(|| malformed(&rest[at..]))?;
+                let (digits, exact) = match arg.strip_prefix('=') {
+                    Some(d) => (d, true),
+                    None => (arg, false),
+                };
                 if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
                     return Err(malformed(&rest[at..]));
                 }
-                digits
+                let n = digits
                     .parse::<u64>()
-                    .map_or(u32::MAX, |n| n.min(u32::MAX as u64) as u32)
+                    .map_or(u32::MAX, |n| n.min(u32::MAX as u64) as u32);
+                GapSize { tokens: n, exact }
             }
         };
-        check_gap(n)?;
-        pieces.push(TextPiece::Gap(n));
+        check_gap(size.tokens)?;
+        pieces.push(TextPiece::Gap(size));
         rest = &after[end + 2..];
     }
     if !rest.is_empty() {
@@ -66,7 +145,7 @@ pub fn parse(text: &str, default_gap: u32) -> Result<Vec<TextPiece>, RequestErro
     }
     if !pieces.iter().any(|p| matches!(p, TextPiece::Gap(_))) {
         return Err(RequestError::Template(
-            "the template has no gap: mark one with {{gap}} or {{gap:N}}".into(),
+            "the template has no gap: mark one with {{gap}}, {{gap:N}} or {{gap:=N}}".into(),
         ));
     }
     Ok(pieces)
@@ -75,7 +154,7 @@ pub fn parse(text: &str, default_gap: u32) -> Result<Vec<TextPiece>, RequestErro
 fn malformed(at: &str) -> RequestError {
     let shown: String = at.chars().take(24).collect();
     RequestError::Template(format!(
-        "malformed gap marker at '{shown}': expected {{{{gap}}}} or {{{{gap:N}}}}"
+        "malformed gap marker at '{shown}': expected {{{{gap}}}}, {{{{gap:N}}}} or {{{{gap:=N}}}}"
     ))
 }
 
@@ -101,10 +180,12 @@ impl Template {
     }
 
     /// Tokenizes `pieces`' text with `encode` (the front end's tokenizer, no special tokens
-    /// added); empty spans are left out.
+    /// added); empty spans are left out. With `vocab`, each fitted gap's edges are token
+    /// healed ([`FitGap::first`], [`FitGap::last`]).
     pub fn from_text<E>(
         pieces: &[TextPiece],
         mut encode: impl FnMut(&str) -> Result<Vec<u32>, E>,
+        vocab: Option<&dyn TokenBytes>,
     ) -> Result<Template, E> {
         let mut out = Vec::with_capacity(pieces.len());
         for p in pieces {
@@ -115,10 +196,70 @@ impl Template {
                         out.push(Piece::Known(ids));
                     }
                 }
-                TextPiece::Gap(n) => out.push(Piece::Gap(*n)),
+                TextPiece::Gap(g) if g.exact => out.push(Piece::Gap(g.tokens)),
+                TextPiece::Gap(g) => out.push(Piece::Fit(FitGap {
+                    max: g.tokens,
+                    size: g.tokens,
+                    first: None,
+                    last: None,
+                })),
             }
         }
-        Ok(Template { pieces: out })
+        let mut t = Template { pieces: out };
+        if let Some(v) = vocab {
+            t.heal(v);
+        }
+        Ok(t)
+    }
+
+    /// Token healing at every fitted gap's edges: the tokens of the word a span is cut in
+    /// (or its last token) are taken off the span next to the gap and their text left for the
+    /// fill to write, as the whole text would be tokenized there (a cursor inside a word, `.`
+    /// then a newline the model learned as one token). The span after a gap gives its first
+    /// tokens when it keeps one (its tokens anchor the gap's end); the span before gives its
+    /// last when that leaves the gap before it an anchor. Special tokens are never taken, and
+    /// no more than a token of the vocabulary can hold.
+    fn heal(&mut self, vocab: &dyn TokenBytes) {
+        let n = self.pieces.len();
+        for i in 0..n {
+            if !matches!(self.pieces[i], Piece::Fit(_)) {
+                continue;
+            }
+            let taken = match self.pieces.get_mut(i + 1) {
+                Some(Piece::Known(ids)) if ids.len() >= 2 => {
+                    let m = heal_len(ids, ids.len() - 1, vocab, Edge::Start);
+                    (m > 0).then(|| ids.drain(..m).collect::<Vec<u32>>())
+                }
+                _ => None,
+            };
+            if let (Some(tokens), Piece::Fit(f)) = (taken, &mut self.pieces[i]) {
+                f.last = Some(healed(tokens, vocab, Edge::Start));
+                // The gap holds the healed text besides the N tokens asked for.
+                f.max = f.max.saturating_add(1);
+                f.size = f.max;
+            }
+        }
+        for i in (1..n).rev() {
+            if !matches!(self.pieces[i], Piece::Fit(_)) {
+                continue;
+            }
+            let anchors_a_gap = i >= 2 && matches!(self.pieces[i - 2], Piece::Fit(_));
+            let taken = match &mut self.pieces[i - 1] {
+                Piece::Known(ids) => {
+                    let most = ids.len().saturating_sub(anchors_a_gap as usize);
+                    let m = heal_len(ids, most, vocab, Edge::End);
+                    (m > 0).then(|| ids.split_off(ids.len() - m))
+                }
+                _ => None,
+            };
+            if let (Some(tokens), Piece::Fit(f)) = (taken, &mut self.pieces[i]) {
+                f.first = Some(healed(tokens, vocab, Edge::End));
+                f.max = f.max.saturating_add(1);
+                f.size = f.max;
+            }
+        }
+        self.pieces
+            .retain(|p| !matches!(p, Piece::Known(ids) if ids.is_empty()));
     }
 
     /// Refuses what cannot be decoded: no gap, a gap of 0 or too many tokens, a mask token or
@@ -130,6 +271,11 @@ impl Template {
             match p {
                 Piece::Gap(n) => {
                     check_gap(*n)?;
+                    gaps += 1;
+                }
+                Piece::Fit(f) => {
+                    check_gap(f.max)?;
+                    check_gap(f.size)?;
                     gaps += 1;
                 }
                 Piece::Known(ids) => {
@@ -172,29 +318,42 @@ impl Template {
         Ok(())
     }
 
+    /// Whether some gap's length is to be found ([`Piece::Fit`]).
+    pub fn fits(&self) -> bool {
+        self.pieces.iter().any(|p| matches!(p, Piece::Fit(_)))
+    }
+
+    /// The tokens a gap piece is decoded at now (none for a known span).
+    fn gap_tokens(p: &Piece) -> Option<u32> {
+        match p {
+            Piece::Known(_) => None,
+            Piece::Gap(n) => Some(*n),
+            Piece::Fit(f) => Some(f.size),
+        }
+    }
+
     /// Tokens the gaps may hold together (each rounded up to whole slots).
     pub fn gap_positions(&self, slot_size: u32) -> u64 {
         let k = slot_size.max(1) as u64;
         self.pieces
             .iter()
-            .map(|p| match p {
-                Piece::Gap(n) => (*n as u64).div_ceil(k) * k,
-                Piece::Known(_) => 0,
-            })
+            .filter_map(Template::gap_tokens)
+            .map(|n| (n as u64).div_ceil(k) * k)
             .sum()
     }
 
     /// Positions the answer takes: the spans, and each gap rounded up to whole `slot_size`
     /// slots (in u64: no overflow for any template).
     pub fn positions(&self, slot_size: u32) -> u64 {
-        let k = slot_size.max(1) as u64;
-        self.pieces
+        let known: u64 = self
+            .pieces
             .iter()
             .map(|p| match p {
                 Piece::Known(ids) => ids.len() as u64,
-                Piece::Gap(n) => (*n as u64).div_ceil(k) * k,
+                _ => 0,
             })
-            .sum()
+            .sum();
+        known + self.gap_positions(slot_size)
     }
 
     /// The known spans' tokens and positions, the answer starting at `start`.
@@ -202,13 +361,14 @@ impl Template {
         let (mut tokens, mut positions) = (Vec::new(), Vec::new());
         let mut pos = start;
         for p in &self.pieces {
-            match p {
-                Piece::Known(ids) => {
+            match (p, Template::gap_tokens(p)) {
+                (Piece::Known(ids), _) => {
                     tokens.extend_from_slice(ids);
                     positions.extend(pos..pos + ids.len() as u32);
                     pos += ids.len() as u32;
                 }
-                Piece::Gap(n) => pos += n.div_ceil(slot_size) * slot_size,
+                (_, Some(n)) => pos += n.div_ceil(slot_size) * slot_size,
+                (_, None) => {}
             }
         }
         (tokens, positions)
@@ -219,17 +379,182 @@ impl Template {
         let mut out = Vec::new();
         let mut pos = start;
         for p in &self.pieces {
-            match p {
-                Piece::Known(ids) => pos += ids.len() as u32,
-                Piece::Gap(n) => {
+            match (p, Template::gap_tokens(p)) {
+                (Piece::Known(ids), _) => pos += ids.len() as u32,
+                (_, Some(n)) => {
                     let slots = n.div_ceil(slot_size);
                     out.push((pos, slots));
                     pos += slots * slot_size;
                 }
+                (_, None) => {}
             }
         }
         out
     }
+
+    /// The healed first tokens: each fitted gap's first position and the tokens it admits,
+    /// the answer starting at `start`.
+    pub fn first_tokens(&self, start: u32, slot_size: u32) -> Vec<(u32, Arc<[u32]>)> {
+        let gaps = self.gaps(start, slot_size);
+        self.pieces
+            .iter()
+            .filter(|p| Template::gap_tokens(p).is_some())
+            .zip(gaps)
+            .filter_map(|(p, (at, _))| match p {
+                Piece::Fit(FitGap { first: Some(h), .. }) => Some((at, h.fits.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// Which end of a span is healed: its start (the span after a gap) or its end (before one).
+#[derive(Clone, Copy)]
+enum Edge {
+    Start,
+    End,
+}
+
+/// The most tokens healing takes off a span.
+const MOST_HEALED: usize = 4;
+
+/// A byte inside a word: a letter, a digit, `_`, or part of a non-ASCII character.
+fn word_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_' || b >= 0x80
+}
+
+/// How many of `ids`' tokens at `edge` to heal (at most `most`): the last (first) one, and
+/// before (after) it the rest of the word it is cut in, as long as some token of the
+/// vocabulary starts (ends) with their text; 0 when a special token is there.
+fn heal_len(ids: &[u32], most: usize, vocab: &dyn TokenBytes, edge: Edge) -> usize {
+    let at = |j: usize| match edge {
+        Edge::End => ids[ids.len() - 1 - j],
+        Edge::Start => ids[j],
+    };
+    let most = most.min(MOST_HEALED).min(ids.len());
+    let mut n = 0;
+    while n < most {
+        let Some(t) = vocab.token_bytes(at(n)).filter(|t| !t.is_empty()) else {
+            break;
+        };
+        if n > 0 {
+            // The word goes on across the boundary between token n-1 and token n.
+            let inner = vocab.token_bytes(at(n - 1)).unwrap_or_default();
+            let joined = match edge {
+                Edge::End => t.last().zip(inner.first()),
+                Edge::Start => inner.last().zip(t.first()),
+            };
+            if !joined.is_some_and(|(&a, &b)| word_byte(a) && word_byte(b)) {
+                break;
+            }
+        }
+        n += 1;
+    }
+    // No more than one token of the vocabulary can stand for.
+    while n > 1 {
+        let tokens: Vec<u32> = (0..n).map(at).collect();
+        if !fitting(&tokens, vocab, edge).is_empty() {
+            break;
+        }
+        n -= 1;
+    }
+    n
+}
+
+/// The text of `tokens` (in order for `Edge::Start`, reversed for `Edge::End`).
+fn healed_text(tokens: &[u32], vocab: &dyn TokenBytes, edge: Edge) -> Vec<u8> {
+    let mut ordered = tokens.to_vec();
+    if let Edge::End = edge {
+        ordered.reverse();
+    }
+    ordered
+        .iter()
+        .flat_map(|&t| vocab.token_bytes(t).unwrap_or_default().to_vec())
+        .collect()
+}
+
+/// The vocabulary's tokens that can stand for the healed `tokens`' text: those starting with
+/// it (the gap's first token, healing the span before) or ending with it (its last token,
+/// healing the span after), sorted.
+fn fitting(tokens: &[u32], vocab: &dyn TokenBytes, edge: Edge) -> Vec<u32> {
+    let text = healed_text(tokens, vocab, edge);
+    (0..vocab.vocab_len() as u32)
+        .filter(|&id| {
+            vocab.token_bytes(id).is_some_and(|t| {
+                !t.is_empty()
+                    && match edge {
+                        Edge::End => t.starts_with(&text),
+                        Edge::Start => t.ends_with(&text),
+                    }
+            })
+        })
+        .collect()
+}
+
+/// The healed `tokens` (taken from a span's `edge`, in the span's order) and what may stand
+/// for them.
+fn healed(tokens: Vec<u32>, vocab: &dyn TokenBytes, edge: Edge) -> Healed {
+    let fits = fitting(
+        &match edge {
+            Edge::End => tokens.iter().rev().copied().collect::<Vec<u32>>(),
+            Edge::Start => tokens.clone(),
+        },
+        vocab,
+        edge,
+    );
+    let bytes = healed_text(&tokens, vocab, Edge::Start).len() as u32;
+    Healed {
+        tokens,
+        bytes,
+        fits: fits.into(),
+    }
+}
+
+/// Where a fitted gap's fill meets the span after it: how many of the fill's tokens are its
+/// own, the rest being the span's text written again (a gap longer than its text). A cut at
+/// `i` needs the fill's token `i - 1` to end with the healed token's text (`last`, when the
+/// span's first token was taken into the gap) and the tokens after `i` to agree with the span
+/// (one a prefix of the other) on at least `min_agree` tokens; among the cuts, the one that
+/// agrees on most tokens, then the latest. Without `last`, a cut must agree on one token at
+/// least (an empty tail says nothing).
+pub fn junction(
+    fill: &[u32],
+    span: &[u32],
+    last: Option<&Healed>,
+    min_agree: usize,
+) -> Option<usize> {
+    let mut best: Option<(usize, usize)> = None;
+    let from = last.is_some() as usize;
+    for i in from..=fill.len() {
+        if let Some(h) = last {
+            if !h.admits(fill[i - 1]) {
+                continue;
+            }
+        }
+        let tail = &fill[i..];
+        let n = tail.len().min(span.len());
+        if tail[..n] != span[..n] {
+            continue;
+        }
+        if n < min_agree.max(last.is_none() as usize) {
+            continue;
+        }
+        if best.is_none_or(|(agree, _)| n >= agree) {
+            best = Some((n, i));
+        }
+    }
+    best.map(|(_, i)| i)
+}
+
+/// Where a fill writes the span after it again, read loosely (the model wrote the token the
+/// span was healed of otherwise): the first index from 1 where the span's first tokens (3, or
+/// all of a shorter span, at least 2) follow in the fill.
+pub fn rewritten_at(fill: &[u32], span: &[u32]) -> Option<usize> {
+    let m = span.len().min(3);
+    if m < 2 || fill.len() < m {
+        return None;
+    }
+    (1..=fill.len() - m).find(|&i| fill[i..i + m] == span[..m])
 }
 
 /// What a gap was filled with.
@@ -237,10 +562,28 @@ impl Template {
 pub struct GapFill {
     /// The gap's first position.
     pub start: u32,
-    /// Its tokens up to (not including) its first EOS.
+    /// Its tokens, up to (not including) its first EOS, and for a fitted gap up to where the
+    /// span after it begins again. A healed edge's token is among them: its text starts with
+    /// `skip` bytes of the span before and ends with `trim` bytes of the span after.
     pub tokens: Vec<u32>,
     /// Whether an EOS ended it (the rest of the gap was dropped).
     pub eos: bool,
+    /// Whether the gap was too small for its text: filled to its end with no EOS and, for a
+    /// fitted gap, without meeting the span after it (`finish_reason: "length"`).
+    pub truncated: bool,
+    /// Bytes at the start of the tokens' text that belong to the span before (token healing).
+    pub skip: u32,
+    /// Bytes at the end of the tokens' text that belong to the span after.
+    pub trim: u32,
+}
+
+impl GapFill {
+    /// The fill's own text, given its tokens' text as bytes.
+    pub fn text_of(&self, bytes: &[u8]) -> String {
+        let from = (self.skip as usize).min(bytes.len());
+        let to = bytes.len().saturating_sub(self.trim as usize).max(from);
+        String::from_utf8_lossy(&bytes[from..to]).into_owned()
+    }
 }
 
 /// A decoded template: the answer (spans and fills stitched in order) and each gap's fill.
@@ -252,7 +595,9 @@ pub struct Filled {
 
 impl Filled {
     /// Stitches `template`'s spans with the committed `tokens` at `positions` (sorted, after
-    /// the prompt): each gap's fill is its committed tokens up to its first EOS.
+    /// the prompt): each gap's fill is its committed tokens up to its first EOS, a fitted
+    /// gap's cut where the span after it begins again ([`junction`]); a healed token the fill
+    /// does not stand for is put back.
     pub fn stitch(
         template: &Template,
         start: u32,
@@ -264,30 +609,96 @@ impl Filled {
         let mut answer = Vec::new();
         let mut gaps = Vec::new();
         let mut pos = start;
-        for p in &template.pieces {
-            match p {
-                Piece::Known(ids) => {
+        for (i, p) in template.pieces.iter().enumerate() {
+            let n = match (p, Template::gap_tokens(p)) {
+                (Piece::Known(ids), _) => {
                     answer.extend_from_slice(ids);
                     pos += ids.len() as u32;
+                    continue;
                 }
-                Piece::Gap(n) => {
-                    let end = pos + n.div_ceil(slot_size) * slot_size;
-                    let from = positions.partition_point(|&q| q < pos);
-                    let to = positions.partition_point(|&q| q < end);
-                    let inside = &tokens[from..to];
-                    let cut = inside.iter().position(|&t| t == eos_id);
-                    let fill = &inside[..cut.unwrap_or(inside.len())];
-                    answer.extend_from_slice(fill);
-                    gaps.push(GapFill {
+                (_, Some(n)) => n,
+                (_, None) => continue,
+            };
+            let end = pos + n.div_ceil(slot_size) * slot_size;
+            let from = positions.partition_point(|&q| q < pos);
+            let to = positions.partition_point(|&q| q < end);
+            let inside = &tokens[from..to];
+            let cut = inside.iter().position(|&t| t == eos_id);
+            let raw = &inside[..cut.unwrap_or(inside.len())];
+            let full = cut.is_none() && raw.len() as u32 >= n;
+            let gap = match p {
+                Piece::Fit(f) => {
+                    let span = match template.pieces.get(i + 1) {
+                        Some(Piece::Known(ids)) => Some(ids.as_slice()),
+                        _ => None,
+                    };
+                    fitted(f, raw, span, cut.is_some(), full, &mut answer)
+                }
+                _ => {
+                    answer.extend_from_slice(raw);
+                    GapFill {
                         start: pos,
-                        tokens: fill.to_vec(),
+                        tokens: raw.to_vec(),
                         eos: cut.is_some(),
-                    });
-                    pos = end;
+                        truncated: cut.is_none(),
+                        skip: 0,
+                        trim: 0,
+                    }
                 }
-            }
+            };
+            gaps.push(GapFill { start: pos, ..gap });
+            pos = end;
         }
         Filled { answer, gaps }
+    }
+}
+
+/// A fitted gap's fill from its committed tokens `raw` (before any EOS), appended to `answer`
+/// with its healed tokens put back where the fill does not stand for them.
+fn fitted(
+    f: &FitGap,
+    raw: &[u32],
+    span: Option<&[u32]>,
+    eos: bool,
+    full: bool,
+    answer: &mut Vec<u32>,
+) -> GapFill {
+    let meets = span.and_then(|s| junction(raw, s, f.last.as_ref(), 0));
+    // Else where the span's text comes again, if it does (the healed token not stood for).
+    let again = meets
+        .is_none()
+        .then(|| span.and_then(|s| rewritten_at(raw, s)))
+        .flatten();
+    let fill = &raw[..meets.or(again).unwrap_or(raw.len())];
+    let first = f.first.as_ref();
+    let skip = match (first, fill.first()) {
+        (Some(h), Some(&t)) if h.admits(t) => h.bytes,
+        (Some(h), _) => {
+            answer.extend_from_slice(&h.tokens);
+            0
+        }
+        (None, _) => 0,
+    };
+    answer.extend_from_slice(fill);
+    // The span's first token is stood for by the fill's last one when the cut was made there
+    // (a lone token that also stands for the span before cannot be both).
+    let lone_healed = fill.len() == 1 && first.is_some_and(|h| h.tokens == fill);
+    let stood = meets.is_some() && f.last.is_some() && !lone_healed;
+    let trim = match &f.last {
+        Some(h) if stood => h.bytes,
+        Some(h) => {
+            answer.extend_from_slice(&h.tokens);
+            0
+        }
+        None => 0,
+    };
+    GapFill {
+        start: 0,
+        tokens: fill.to_vec(),
+        eos,
+        truncated: !eos && full && meets.is_none() && again.is_none(),
+        skip,
+        trim,
     }
 }
 
@@ -297,17 +708,21 @@ mod tests {
 
     #[test]
     fn markers_split_the_text() {
-        let p = parse("a {{gap}} b{{gap:7}}", 16).unwrap();
+        let p = parse("a {{gap}} b{{gap:7}}{{gap:=3}}", 16).unwrap();
         assert_eq!(
             p,
             vec![
                 TextPiece::Text("a ".into()),
-                TextPiece::Gap(16),
+                TextPiece::Gap(GapSize::most(16)),
                 TextPiece::Text(" b".into()),
-                TextPiece::Gap(7)
+                TextPiece::Gap(GapSize::most(7)),
+                TextPiece::Gap(GapSize::exactly(3)),
             ]
         );
-        assert_eq!(parse("{{gap}}", 5).unwrap(), vec![TextPiece::Gap(5)]);
+        assert_eq!(
+            parse("{{gap}}", 5).unwrap(),
+            vec![TextPiece::Gap(GapSize::most(5))]
+        );
     }
 
     #[test]
@@ -319,6 +734,10 @@ mod tests {
             ("a {{gap:x}} b", "malformed"),
             ("a {{gap:-3}}", "malformed"),
             ("a {{gap 3}}", "malformed"),
+            ("a {{gap:=}}", "malformed"),
+            ("a {{gap:=x}}", "malformed"),
+            ("a {{gap=3}}", "malformed"),
+            ("a {{gap:=0}}", "0 tokens"),
             ("a {{gap:0}}", "0 tokens"),
             ("a {{gap:99999999999}}", "beyond"),
         ] {

@@ -6,8 +6,8 @@
 use super::api::ApiError;
 use super::worker::{Msg, StopFilter};
 use crate::chat::{TextStream, Tokenizer};
-use crate::decode::template::{parse, TextPiece};
-use crate::decode::{DecodeParams, Template};
+use crate::decode::template::{parse, GapSize, TextPiece};
+use crate::decode::{DecodeParams, DecodeResult, Template};
 
 /// Where a request's template comes from.
 #[derive(Debug, Clone)]
@@ -36,7 +36,7 @@ impl FillSpec {
     pub fn pieces(&self, default_gap: u32) -> Result<Vec<TextPiece>, ApiError> {
         match &self.source {
             FillSource::Suffix(s) => Ok(vec![
-                TextPiece::Gap(default_gap),
+                TextPiece::Gap(GapSize::most(default_gap)),
                 TextPiece::Text(s.clone()),
             ]),
             FillSource::Markers(s) => parse(s, default_gap).map_err(|e| self.error(e)),
@@ -61,7 +61,7 @@ impl FillSpec {
             .param("strategy"));
         }
         let pieces = self.pieces(params.gen_length)?;
-        let t = Template::from_text(&pieces, |s| tok.encode(s))
+        let t = Template::from_text(&pieces, |s| tok.encode(s), Some(tok))
             .map_err(|e| ApiError::bad_request(e.to_string()).param(self.field))?;
         t.validate_for(params.mask_id, vocab, params.slot_size)
             .map_err(|e| self.error(e))?;
@@ -97,9 +97,15 @@ pub fn stitch(pieces: &[TextPiece], fills: &[String]) -> String {
     out
 }
 
-/// Each gap's committed text as it grows (up to its EOS), cut at a stop string.
+/// Each gap's committed text as it grows (up to its EOS), cut at a stop string. A template
+/// with fitted gaps (`{{gap}}`, `{{gap:N}}`, a suffix) has its fills' text only once the
+/// decode is done (a fill's length is found by decoding it again, and where it meets the text
+/// after it is known at its end): it is sent then.
 pub struct Fills<'t> {
     gaps: Vec<Gap<'t>>,
+    /// The fills are sent whole, from the result ([`Fills::finish`]).
+    whole: bool,
+    tok: &'t Tokenizer,
 }
 
 struct Gap<'t> {
@@ -121,6 +127,7 @@ impl<'t> Fills<'t> {
     ) -> Fills<'t> {
         let k = params.slot_size;
         let t = params.answer_template();
+        let whole = t.fits();
         let gaps = t
             .gaps(prompt_len as u32, k)
             .into_iter()
@@ -133,7 +140,7 @@ impl<'t> Fills<'t> {
                 toks: Vec::new(),
             })
             .collect();
-        Fills { gaps }
+        Fills { gaps, whole, tok }
     }
 
     /// Whether a stop string cut some gap and every gap is over (cut, or ended at its EOS):
@@ -154,6 +161,9 @@ impl<'t> Fills<'t> {
 
     /// Committed tokens: the text each gap gained.
     pub fn push(&mut self, positions: &[u32], tokens: &[u32]) -> Vec<Msg> {
+        if self.whole {
+            return Vec::new();
+        }
         // Each token to its gap (gaps are in position order).
         for (&p, &t) in positions.iter().zip(tokens) {
             let i = self.gaps.partition_point(|g| g.start <= p);
@@ -182,9 +192,22 @@ impl<'t> Fills<'t> {
         out
     }
 
-    /// The held-back tails.
-    pub fn finish(&mut self) -> Vec<Msg> {
+    /// The held-back tails; fills sent whole, from the decode's `result`.
+    pub fn finish(&mut self, result: Option<&DecodeResult>) -> Vec<Msg> {
         let mut out = Vec::new();
+        if self.whole {
+            let filled = result.and_then(|r| r.filled.as_ref());
+            let fills = filled.map(|f| f.gaps.as_slice()).unwrap_or_default();
+            for (i, (g, fill)) in self.gaps.iter_mut().zip(fills).enumerate() {
+                let text = fill.text_of(&self.tok.bytes_of(&fill.tokens));
+                let mut text = g.filter.push(&text);
+                text.push_str(&g.filter.finish());
+                if !text.is_empty() {
+                    out.push(Msg::Fill { gap: i, text });
+                }
+            }
+            return out;
+        }
         for (i, g) in self.gaps.iter_mut().enumerate() {
             let mut text = g
                 .stream
@@ -209,7 +232,10 @@ mod tests {
         let s = FillSpec::new(FillSource::Suffix("a {{gap}} b".into()), "suffix");
         assert_eq!(
             s.pieces(9).unwrap(),
-            vec![TextPiece::Gap(9), TextPiece::Text("a {{gap}} b".into())]
+            vec![
+                TextPiece::Gap(GapSize::most(9)),
+                TextPiece::Text("a {{gap}} b".into())
+            ]
         );
         let m = FillSpec::new(
             FillSource::Markers("x {{gap:3}} y {{gap".into()),

@@ -657,7 +657,7 @@ impl Answer<'_> {
         match result {
             Ok(r) => {
                 if let Some(f) = &mut self.fills {
-                    msgs_before.extend(f.finish());
+                    msgs_before.extend(f.finish(Some(&r)));
                 } else if let Some(tail) = self.stream.finish() {
                     let out = self.filter.push(&tail);
                     if !out.is_empty() {
@@ -693,7 +693,11 @@ impl Answer<'_> {
                 Ok(msgs)
             }
             Err(Error::Cancelled) if self.stopped() && self.fills.is_some() => {
-                let mut msgs = self.fills.as_mut().map(|f| f.finish()).unwrap_or_default();
+                let mut msgs = self
+                    .fills
+                    .as_mut()
+                    .map(|f| f.finish(None))
+                    .unwrap_or_default();
                 let sent = self.fills.as_ref().map(|f| f.sent()).unwrap_or_default();
                 msgs.push(Msg::Done {
                     finish_reason: "stop",
