@@ -1,9 +1,10 @@
 //! Gap filling through the front ends, on the trained tiny ReFusion at f32: `generate
-//! --template` gives train/infill.py's tokens for every templated golden case (the spans
-//! tokenized by the runtime as by transformers); `--suffix`, `/v1/completions`' `suffix`,
-//! llama-server's `/infill`, ollama's `suffix` and `/v1/chat/completions` with `"infill": true`
-//! answer the golden fills, streamed and whole; mistakes are one clear line (CLI) or a 400
-//! naming the field (server).
+//! --template` gives train/infill.py's tokens for every templated golden case with exact gaps
+//! (`{{gap:=N}}`: the spans tokenized by the runtime as by transformers), and train/fit.py's for
+//! every fitted one (`{{gap}}`, `{{gap:N}}`: token healing, the probe, the final decode, the
+//! stitched text); `--suffix`, `/v1/completions`' `suffix`, llama-server's `/infill`, ollama's
+//! `suffix` and `/v1/chat/completions` with `"infill": true` answer the golden fills, streamed
+//! and whole; mistakes are one clear line (CLI) or a 400 naming the field (server).
 
 mod common;
 
@@ -25,6 +26,21 @@ fn cases() -> Vec<Value> {
         .filter(|c| c.get("template_text").is_some())
         .cloned()
         .collect()
+}
+
+/// The fitted-gap golden cases (train/fit.py).
+fn fit_cases() -> Vec<Value> {
+    let text = std::fs::read_to_string(fixtures().join("goldens_fit.json")).unwrap();
+    let doc: Value = serde_json::from_str(&text).unwrap();
+    doc["cases"].as_array().unwrap().clone()
+}
+
+/// A golden template with exact gaps: `{{gap:N}}` as `{{gap:=N}}`, `{{gap}}` as the gen length.
+fn exact(c: &Value) -> String {
+    let t = c["template_text"].as_str().unwrap();
+    t.replace("{{gap}}", &format!("{{{{gap:={}}}}}", c["gen_length"]))
+        .replace("{{gap:", "{{gap:=")
+        .replace("{{gap:==", "{{gap:=")
 }
 
 fn knob_flags(c: &Value) -> Vec<String> {
@@ -62,7 +78,7 @@ fn generate_with_a_template_gives_the_reference_tokens() {
             "--prompt-ids".into(),
             ids_arg(&c["prompt_ids"]),
             "--template".into(),
-            c["template_text"].as_str().unwrap().into(),
+            exact(c),
             "--json".into(),
         ];
         args.extend(knob_flags(c));
@@ -88,6 +104,80 @@ fn generate_with_a_template_gives_the_reference_tokens() {
         {
             assert_eq!(g["tokens"], f["tokens"], "{}", c["id"]);
             assert_eq!(g["eos"], f["eos"], "{}", c["id"]);
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// `generate --template` on every fitted golden case: the same tokens at the same positions,
+/// forwards (the probe's and the final decode's), TPF, stitched text and fills.
+#[test]
+fn generate_fits_gaps_as_the_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = trained_tiny_gguf(tmp.path(), "f32");
+    let cases = fit_cases();
+    assert!(cases.len() >= 60, "{} fitted cases", cases.len());
+    let mut failures = Vec::new();
+    for c in &cases {
+        let mut args: Vec<String> = vec![
+            "generate".into(),
+            "-m".into(),
+            m.to_str().unwrap().into(),
+            "--prompt-ids".into(),
+            ids_arg(&c["prompt_ids"]),
+            "--template".into(),
+            c["template_text"].as_str().unwrap().into(),
+            "--json".into(),
+            "--temp".into(),
+            c["temperature"].to_string(),
+            "--seed".into(),
+            c["seed"].to_string(),
+        ];
+        args.extend(knob_flags(c));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = run(&args);
+        assert!(o.status.success(), "{}: {}", c["id"], stderr(&o));
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+        let gaps: Vec<(Value, Value, Value)> = v["gaps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| {
+                (
+                    g["tokens"].clone(),
+                    g["text"].clone(),
+                    g["truncated"].clone(),
+                )
+            })
+            .collect();
+        let want: Vec<(Value, Value, Value)> = c["fills"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| {
+                (
+                    f["tokens"].clone(),
+                    f["text"].clone(),
+                    f["truncated"].clone(),
+                )
+            })
+            .collect();
+        let same = v["tokens"] == c["tokens"]
+            && v["positions"] == c["positions"]
+            && v["forward_calls"] == c["n_forward"]
+            && (v["tpf"].as_f64().unwrap() - c["tpf"].as_f64().unwrap()).abs() < 1e-9
+            && v["text"] == c["text"]
+            && gaps == want;
+        if !same {
+            failures.push(format!(
+                "{} {}: {} in {} forwards (want {:?} in {})",
+                c["id"],
+                c["template_name"],
+                v["text"],
+                v["forward_calls"],
+                c["text"],
+                c["n_forward"]
+            ));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -263,18 +353,22 @@ fn every_api_fills_the_gaps_as_the_reference() {
     let tmp = tempfile::tempdir().unwrap();
     let m = trained_tiny_gguf(tmp.path(), "f32");
     let server = Server::start(&m, &["--parallel", "4"]);
-    let cases = cases();
-    // One gap then text: the suffix shape of OpenAI, llama-server and ollama.
+    let cases = fit_cases();
+    // One gap then text: the suffix shape of OpenAI, llama-server and ollama (a fitted gap).
     let suffixed: Vec<&Value> = cases
         .iter()
-        .filter(|c| c["template_name"] == "start" || c["template_name"] == "last_line")
+        .filter(|c| {
+            c["temperature"] == 0.0
+                && (c["template_name"] == "suffix_first" || c["template_name"] == "suffix_last")
+        })
         .collect();
     assert!(suffixed.len() >= 8);
     for c in suffixed {
         let t = c["template_text"].as_str().unwrap();
         let suffix = t.strip_prefix("{{gap}}").unwrap();
         let n = c["gen_length"].as_u64().unwrap();
-        let fill = detok(&server, &c["fills"][0]["tokens"]);
+        let fill = c["fills"][0]["text"].as_str().unwrap().to_string();
+        let truncated = c["fills"][0]["truncated"].as_bool().unwrap();
         let prompt_text = detok(&server, &c["prompt_ids"]);
         let k = knobs(c);
         let v = post_json(
@@ -286,6 +380,8 @@ fn every_api_fills_the_gaps_as_the_reference() {
             ),
         );
         assert_eq!(v["choices"][0]["text"], fill, "{} completions", c["id"]);
+        let reason = if truncated { "length" } else { "stop" };
+        assert_eq!(v["choices"][0]["finish_reason"], reason, "{}", c["id"]);
         let streamed = post(
             &server,
             "/v1/completions",
@@ -323,8 +419,7 @@ fn every_api_fills_the_gaps_as_the_reference() {
             by_text["choices"][0]["text"].as_str().unwrap().to_string()
         };
         assert_eq!(v["content"], fill, "{} /infill", c["id"]);
-        let eos = c["fills"][0]["eos"].as_bool().unwrap();
-        assert_eq!(v["stop_type"], if eos { "eos" } else { "limit" });
+        assert_eq!(v["stop_type"], if truncated { "limit" } else { "eos" });
         let streamed = post(
             &server,
             "/infill",
@@ -344,26 +439,26 @@ fn every_api_fills_the_gaps_as_the_reference() {
     // ollama: the server's (the file's: the card's) settings, a gap of num_predict.
     let c = cases
         .iter()
-        .find(|c| c["template_name"] == "last_line" && c["set"] == "card")
+        .find(|c| c["template_name"] == "suffix_last" && c["set"] == "card")
         .unwrap();
     let suffix = c["template_text"]
         .as_str()
         .unwrap()
         .strip_prefix("{{gap}}")
         .unwrap();
+    let prompt_text = detok(&server, &c["prompt_ids"]);
+    assert!(retokenizes(&server, &prompt_text, &c["prompt_ids"]));
     let v = post_json(
         &server,
         "/api/generate",
-        &json!({"prompt": detok(&server, &c["prompt_ids"]), "raw": true, "suffix": suffix,
+        &json!({"prompt": prompt_text, "raw": true, "suffix": suffix,
                 "stream": false, "options": {"num_predict": 512}}),
     );
-    let prompt_text = detok(&server, &c["prompt_ids"]);
-    assert!(retokenizes(&server, &prompt_text, &c["prompt_ids"]));
-    assert_eq!(v["response"], detok(&server, &c["fills"][0]["tokens"]));
+    assert_eq!(v["response"], c["fills"][0]["text"]);
     let (_, body) = post(
         &server,
         "/api/generate",
-        &json!({"prompt": detok(&server, &c["prompt_ids"]), "raw": true, "suffix": suffix,
+        &json!({"prompt": prompt_text, "raw": true, "suffix": suffix,
                 "options": {"num_predict": 512}}),
     );
     let streamed: String = body
@@ -399,7 +494,7 @@ fn chat_completions_fill_an_answers_markers_when_asked() {
             .unwrap();
         let body = merged(
             json!({"messages": [{"role": "user", "content": q["question"]},
-                                {"role": "assistant", "content": c["template_text"]}],
+                                {"role": "assistant", "content": exact(c)}],
                    "infill": true}),
             &knobs(c),
         );
@@ -411,7 +506,7 @@ fn chat_completions_fill_an_answers_markers_when_asked() {
             .map(|f| detok(&server, &f["tokens"]))
             .collect();
         assert_eq!(v["choices"][0]["fills"], json!(fills), "{}", c["id"]);
-        let mut stitched = c["template_text"].as_str().unwrap().to_string();
+        let mut stitched = exact(c);
         for f in &fills {
             let at = stitched.find("{{gap:").unwrap();
             let end = at + stitched[at..].find("}}").unwrap() + 2;
@@ -521,9 +616,9 @@ fn template_mistakes_are_400s_naming_the_field() {
         ),
         (
             "/infill",
-            json!({"input_prefix": "a", "n_predict": 0}),
+            json!({"input_prefix": "a", "n_predict": -5}),
             "n_predict",
-            "positive",
+            "0 or more",
         ),
         (
             "/infill",
@@ -541,4 +636,165 @@ fn template_mistakes_are_400s_naming_the_field() {
             "{text}"
         );
     }
+}
+
+/// llama-server's `n_indent` rule: `text` up to its first later line that is not blank and is
+/// indented less than `n` spaces.
+fn within_indent(text: &str, n: usize) -> String {
+    let mut out = String::new();
+    for (i, line) in text.split_inclusive('\n').enumerate() {
+        let indent = line.len() - line.trim_start_matches([' ', '\t']).len();
+        if i > 0 && n > 0 && !line.trim().is_empty() && indent < n {
+            break;
+        }
+        out.push_str(line);
+    }
+    out
+}
+
+/// The answer `generate --template` gives for `before{{gap:N}}after` (the prompt's ids given):
+/// what every front end must stitch too.
+fn cli_answer(m: &std::path::Path, prompt_ids: &Value, template: &str, temp: &str) -> String {
+    let o = run(&[
+        "generate",
+        "-m",
+        m.to_str().unwrap(),
+        "--prompt-ids",
+        &ids_arg(prompt_ids),
+        "--template",
+        template,
+        "--temp",
+        temp,
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["text"].as_str().unwrap().to_string()
+}
+
+/// The requests editor plugins send, in their exact shapes, with the cursor inside a line of a
+/// code answer: llama.vim and llama.vscode (`/infill`: `input_extra` chunks, `input_prefix`,
+/// the cursor line's start as `prompt`, `input_suffix`, `n_predict`, `n_indent`, their sampler
+/// fields, `t_max_*_ms`, llama.vim's `response_fields`, and its context-only `n_predict: 0`),
+/// Continue (OpenAI `suffix` streamed with its stop strings; ollama `suffix` with `raw`). Each
+/// fill, put between the text before and after the cursor, is the answer the command line
+/// stitches for that template: the suffix never repeated.
+#[test]
+fn editor_plugins_fill_in_the_middle_requests() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = trained_tiny_gguf(tmp.path(), "f32");
+    let server = Server::start(&m, &[]);
+    // A code answer of the tiny model's, and its question through the chat template (the
+    // editor's extra context here: the model answers in that form).
+    let cases = fit_cases();
+    let c = cases.iter().find(|c| c["kind"] == "code").unwrap();
+    let answer = c["truth"].as_str().unwrap();
+    let prompt_ids = c["prompt_ids"].clone();
+    let prompt_text = detok(&server, &prompt_ids);
+    assert!(retokenizes(&server, &prompt_text, &prompt_ids));
+    // The cursor inside the function's last line, halfway.
+    let lines: Vec<&str> = answer.split('\n').collect();
+    let row = lines.len() - 2;
+    let col = lines[row].len() / 2;
+    let prefix: String = lines[..row].iter().map(|l| format!("{l}\n")).collect();
+    let cursor_line = &lines[row][..col];
+    let after = format!("{}\n{}", &lines[row][col..], lines[row + 1..].join("\n"));
+    let n = 64;
+    let want = cli_answer(
+        &m,
+        &prompt_ids,
+        &format!("{prefix}{cursor_line}{{{{gap:{n}}}}}{after}"),
+        "0",
+    );
+    let before = format!("{prefix}{cursor_line}");
+    let fill_of = |content: &str| format!("{before}{content}{after}");
+    // llama.vim.
+    let v = post_json(
+        &server,
+        "/infill",
+        &json!({
+            "input_prefix": prefix, "input_suffix": after,
+            "input_extra": [{"text": prompt_text, "time": [1733, 1], "filename": ""}],
+            "prompt": cursor_line, "n_predict": n, "n_indent": 0, "top_k": 40, "top_p": 0.99,
+            "stream": false, "samplers": ["top_k", "top_p", "infill"], "cache_prompt": true,
+            "t_max_prompt_ms": 500, "t_max_predict_ms": 60_000,
+            "response_fields": ["content", "timings/prompt_n", "timings/predicted_n",
+                                "timings/predicted_ms", "truncated", "tokens_cached"],
+        }),
+    );
+    let content = v["content"].as_str().unwrap();
+    assert_eq!(fill_of(content), want, "llama.vim: {v}");
+    assert!(v.get("timings/predicted_n").is_some(), "{v}");
+    assert!(v.get("stop").is_none(), "only the fields asked for: {v}");
+    assert!(!content.is_empty());
+    let first_after = after.lines().next().unwrap();
+    assert!(
+        first_after.is_empty() || !content.ends_with(first_after),
+        "the suffix repeated: {content:?}"
+    );
+    // llama.vim's context-only request.
+    let v = post_json(
+        &server,
+        "/infill",
+        &json!({"input_prefix": "", "input_suffix": "", "prompt": "",
+                "input_extra": [{"text": prompt_text, "time": [1, 2], "filename": "a.py"}],
+                "n_predict": 0, "temperature": 0.0, "stream": false, "samplers": [],
+                "cache_prompt": true, "t_max_prompt_ms": 1, "t_max_predict_ms": 1,
+                "response_fields": [""]}),
+    );
+    assert_eq!(v, json!({}));
+    // llama.vscode.
+    let v = post_json(
+        &server,
+        "/infill",
+        &json!({
+            "input_prefix": prefix, "input_suffix": after,
+            "input_extra": [{"text": prompt_text, "time": 0, "filename": ""}],
+            "prompt": cursor_line, "n_predict": n, "top_k": 40, "top_p": 0.99, "stream": false,
+            "samplers": ["top_k", "top_p", "infill"], "cache_prompt": true,
+            "n_indent": cursor_line.len() - cursor_line.trim_start().len(),
+            "t_max_prompt_ms": 500, "t_max_predict_ms": 60_000,
+        }),
+    );
+    // n_indent (the cursor line's indentation): the middle ends before a shallower line.
+    let fill = &want[before.len()..want.len() - after.len()];
+    let indent = cursor_line.len() - cursor_line.trim_start().len();
+    assert_eq!(
+        v["content"].as_str().unwrap(),
+        within_indent(fill, indent),
+        "llama.vscode: {v}"
+    );
+    assert_eq!(v["stop_type"], "eos");
+    assert!(v["timings"]["predicted_n"].as_u64().unwrap() > 0);
+    // Continue, OpenAI: the prompt as text (the chat header written out), streamed, its stops.
+    let (status, body) = post(
+        &server,
+        "/v1/completions",
+        &json!({"model": "refusion", "prompt": format!("{prompt_text}{before}"), "suffix": after,
+                "max_tokens": n, "temperature": 0, "stream": true,
+                "stop": ["\n\n\n", "```", "/src/", "#- coding: utf-8"]}),
+    );
+    assert_eq!(status, 200);
+    let streamed: String = sse(&body)
+        .iter()
+        .filter_map(|e| e["choices"][0]["text"].as_str().map(String::from))
+        .collect();
+    // "```" is a stop string here: the fill is cut before any.
+    let cut = want[before.len()..want.len() - after.len()].to_string();
+    let cut = cut.split("```").next().unwrap();
+    assert_eq!(streamed, cut, "Continue (OpenAI)");
+    // Continue, ollama.
+    let v = post_json(
+        &server,
+        "/api/generate",
+        &json!({"model": "refusion", "prompt": format!("{prompt_text}{before}"), "suffix": after,
+                "raw": true, "stream": false,
+                "options": {"num_predict": n, "temperature": 0,
+                            "stop": ["\n\n\n", "/src/", "#- coding: utf-8"]}}),
+    );
+    assert_eq!(
+        fill_of(v["response"].as_str().unwrap()),
+        want,
+        "Continue (ollama): {v}"
+    );
 }

@@ -77,9 +77,12 @@ class Noise:
 @torch.no_grad()
 def generate_infill(model, eos_token_id, prompt, template, gen_length=128, temperature=0.,
                     mask_id=151670, slot_size=8, serial_num_blocks=2, slot_threshold=0.9,
-                    token_threshold=0.9, seed=0):
+                    token_threshold=0.9, seed=0, first_tokens=None):
     # INFILL: `template` is the answer in order: a list of ids (a known span) or an int (a gap
     # of at most that many tokens); the EOS id is given (the card reads the tokenizer's).
+    # FIT (train/fit.py): `first_tokens` maps a position to the only tokens its planning
+    # draft may take (token healing at a fitted gap's start).
+    first_tokens = first_tokens or {}
     sum_TPF = 0.0
     forward_count = 0
 
@@ -167,6 +170,7 @@ def generate_infill(model, eos_token_id, prompt, template, gen_length=128, tempe
 
             logits = outputs.logits
             gen_logits = logits[:, -flat_gen_blocks_x.shape[1]:, :]
+            gen_logits = restrict(gen_logits, flat_gen_blocks_pos_ids, first_tokens)  # FIT
 
             past_key_values = outputs.past_key_values
             past_key_values.crop(cur_x.shape[1])
@@ -430,6 +434,21 @@ def generate_infill(model, eos_token_id, prompt, template, gen_length=128, tempe
     TPF = sum_TPF / forward_count
 
     return x, p, TPF
+
+
+def restrict(gen_logits, pos_ids, first_tokens):
+    """FIT: the rows at a restricted position keep only their admitted tokens' logits (the
+    others at minus infinity, so the softmax, the arg-max and the noise see only those)."""
+    if not first_tokens:
+        return gen_logits
+    out = gen_logits.clone()
+    for j, p in enumerate(pos_ids[0].tolist()):
+        if p in first_tokens:
+            keep = torch.full_like(out[0, j], float("-inf"))
+            idx = torch.tensor(first_tokens[p], dtype=torch.long)
+            keep[idx] = out[0, j, idx]
+            out[0, j] = keep
+    return out
 
 
 def stitch(template, tokens, positions, start, slot_size, eos):

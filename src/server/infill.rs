@@ -3,8 +3,16 @@
 //! prompt` for models trained on fill-in-the-middle tokens; ReFusion needs none: the prompt is
 //! the extra context, the prefix and `prompt` (the middle's start, already written), and the
 //! suffix is the known text after one gap of at most `n_predict` tokens (docs/infill.md).
-//! Answered whole (`content`, `stop`, `tokens_predicted`, ...) or streamed as server-sent
-//! events of `{"content", "stop"}`.
+//! Answered whole (`content`, `stop`, `tokens_predicted`, `timings`, ...) or streamed as
+//! server-sent events of `{"content", "stop"}`.
+//!
+//! The editor plugins' fields (llama.vim, llama.vscode): `n_predict: 0` (a request that only
+//! sends context) is answered at once with no content; `n_indent` ends the middle before its
+//! first later line indented less (llama-server's rule); `t_max_predict_ms` bounds the
+//! generation (past it, the middle is given up: empty content, `stop_type` "limit");
+//! `response_fields` answers only the fields named (nested ones by `parent/child`, as keys).
+//! Sampling fields (`top_k`, `top_p`, `samplers`) have nothing to act on: ReFusion's decode is
+//! greedy with its planning noise (`temperature`); `cache_prompt` is what the server does anyway.
 
 use std::sync::Arc;
 
@@ -44,8 +52,15 @@ struct InfillRequest {
     /// The middle's beginning, already written (llama-server: after `<FIM_MID>`).
     #[serde(default)]
     prompt: String,
-    /// Most tokens in the middle; -1: the server's default.
+    /// Most tokens in the middle; -1: the server's default; 0: no middle (context only).
     n_predict: Option<i64>,
+    /// The middle ends before its first later line indented less than this (in bytes of
+    /// leading whitespace).
+    n_indent: Option<u32>,
+    /// The most milliseconds the generation may take (0: no limit).
+    t_max_predict_ms: Option<u64>,
+    /// The fields to answer with (`timings/predicted_n`: a nested one, keyed by its path).
+    response_fields: Option<Vec<String>>,
     #[serde(default)]
     stream: bool,
     temperature: Option<f64>,
@@ -82,9 +97,9 @@ impl InfillRequest {
     fn knobs(&self) -> Result<Knobs, ApiError> {
         let max_tokens = match self.n_predict {
             None | Some(-1) => None,
-            Some(n) => Some(u32::try_from(n).ok().filter(|&n| n > 0).ok_or_else(|| {
+            Some(n) => Some(u32::try_from(n).ok().ok_or_else(|| {
                 ApiError::bad_request(format!(
-                    "n_predict must be a positive number of tokens or -1, not {n}"
+                    "n_predict must be a number of tokens (0 or more) or -1, not {n}"
                 ))
                 .param("n_predict")
             })?),
@@ -115,13 +130,20 @@ pub async fn infill(State(state): State<Arc<AppState>>, body: Bytes) -> Response
 async fn infill_inner(state: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let req: InfillRequest = parse(&body)?;
     let before = req.before();
+    let knobs = req.knobs()?;
+    let fields = req.response_fields.clone();
+    if knobs.max_tokens == Some(0) {
+        // Context only (llama.vim sends its ring of chunks so): nothing to generate.
+        let v = json!({"content": "", "stop": true, "model": state.model, "stop_type": "limit",
+                       "tokens_predicted": 0, "tokens_evaluated": 0, "truncated": false});
+        return Ok(Json(only(v, fields.as_deref())).into_response());
+    }
     if before.is_empty() {
         return Err(ApiError::bad_request(
             "input_prefix (or input_extra, or prompt) must not be empty: the middle needs text before it",
         )
         .param("input_prefix"));
     }
-    let knobs = req.knobs()?;
     let template = FillSpec::new(FillSource::Suffix(req.input_suffix.clone()), "input_suffix");
     let (rx, guard, prompt_tokens) =
         submit(&state, JobInput::Text(before), knobs, Some(template)).await?;
@@ -133,12 +155,31 @@ async fn infill_inner(state: Arc<AppState>, body: Bytes) -> Result<Response, Api
             "tokens_predicted": predicted, "tokens_evaluated": evaluated, "truncated": false,
         })
     };
+    let limit = req
+        .t_max_predict_ms
+        .filter(|&ms| ms > 0)
+        .map(std::time::Duration::from_millis);
     if !req.stream {
-        let got = collect(rx).await?;
+        let got = match limit {
+            Some(limit) => match tokio::time::timeout(limit, collect(rx)).await {
+                Ok(got) => got?,
+                // Past the time limit: the generation is cancelled (the guard goes) and the
+                // middle given up.
+                Err(_) => {
+                    drop(guard);
+                    let v = last("length", 0, prompt_tokens);
+                    return Ok(Json(only(v, fields.as_deref())).into_response());
+                }
+            },
+            None => collect(rx).await?,
+        };
         drop(guard);
         let mut v = last(got.finish_reason, got.completion_tokens, got.prompt_tokens);
-        v["content"] = json!(got.text);
-        return Ok(Json(v).into_response());
+        v["content"] = json!(within_indent(&got.text, req.n_indent));
+        v["timings"] = got
+            .figures
+            .timings(got.prompt_tokens, got.completion_tokens);
+        return Ok(Json(only(v, fields.as_deref())).into_response());
     }
     let events = UnboundedReceiverStream::new(rx).filter_map(move |msg| {
         let _keep = &guard;
@@ -159,4 +200,71 @@ async fn infill_inner(state: Arc<AppState>, body: Bytes) -> Result<Response, Api
     Ok(Sse::new(events)
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// llama-server's `n_indent`: the text up to its first line after the first that is not
+/// blank and is indented less than `n_indent` bytes of whitespace (that line and the rest go).
+fn within_indent(text: &str, n_indent: Option<u32>) -> String {
+    let Some(n) = n_indent.filter(|&n| n > 0) else {
+        return text.to_string();
+    };
+    let mut end = text.len();
+    let mut at = match text.find('\n') {
+        Some(i) => i + 1,
+        None => return text.to_string(),
+    };
+    while at < text.len() {
+        let line_end = text[at..].find('\n').map_or(text.len(), |i| at + i);
+        let line = &text[at..line_end];
+        let indent = line.len() - line.trim_start_matches([' ', '\t']).len();
+        if !line.trim().is_empty() && (indent as u32) < n {
+            end = at;
+            break;
+        }
+        at = line_end + 1;
+    }
+    text[..end].to_string()
+}
+
+/// The answer with only `fields` (llama-server's `response_fields`: a nested field by its
+/// path, `timings/predicted_n`, kept under that path as its key); all of it without.
+fn only(v: Value, fields: Option<&[String]>) -> Value {
+    let Some(fields) = fields else {
+        return v;
+    };
+    let mut out = serde_json::Map::new();
+    for f in fields {
+        let got = f.split('/').try_fold(&v, |node, key| node.get(key));
+        if let Some(got) = got {
+            out.insert(f.clone(), got.clone());
+        }
+    }
+    Value::Object(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn n_indent_ends_the_middle_at_a_shallower_line() {
+        let text = "x = 1\n    y = 2\n\n  z\nw";
+        assert_eq!(within_indent(text, Some(4)), "x = 1\n    y = 2\n\n");
+        assert_eq!(within_indent(text, None), text);
+        assert_eq!(within_indent("one line", Some(8)), "one line");
+    }
+
+    #[test]
+    fn response_fields_keep_the_paths_asked_for() {
+        let v = json!({"content": "a", "timings": {"predicted_n": 3}, "stop": true});
+        let got = only(
+            v,
+            Some(&[
+                "content".into(),
+                "timings/predicted_n".into(),
+                "nope".into(),
+            ]),
+        );
+        assert_eq!(got, json!({"content": "a", "timings/predicted_n": 3}));
+    }
 }
