@@ -1,67 +1,96 @@
 #!/usr/bin/env python3
-"""Gap filling on the trained tiny ReFusion's 200 held-out questions (benches/README.md).
+"""Gap filling on the trained tiny ReFusion's 200 held-out questions, judged strictly
+(benches/README.md#filling-the-gaps).
 
     python3 benches/infill_quality.py --refusion target/release/refusion \
         -m refusion-demo/refusion-tiny-Q4_K_M.gguf --out benches/infill-quality.json
 
-Needs `tokenizers` (train/requirements.txt) to size gaps. For each question's worked answer:
+Needs `tokenizers` (train/requirements.txt) to size gaps. Every case hides part of a question's
+worked answer and asks `refusion generate --template` to fill it; the case is right when the
+answer the user gets, the whole stitched text (`text` of `--json`), is the worked answer
+exactly: no repeated suffix, no doubled or missing character at either junction.
 
-- second line / last line hidden: the answer with that line a gap, filled (`--template`), the
-  gap sized to the line (its tokens and newline: "exact") or a generous 32 tokens; a fill is
-  right when its first line is the hidden line. Against ordinary generation of the same
-  question (no suffix), right when its line at that index is the hidden line;
-- working from the answer: only the last line ("The answer is N.") given after a 96-token gap;
-  right when the fill's own final answer (its "The answer is", train/corpus.py `extract`) is
-  N, and when the stitched text's final line is N's (always, by construction) the working is
-  judged alone. Against ordinary generation's final answer;
-- the same with the newline before the hidden line inside the gap ("exact_nl"): spans are
-  tokenized on their own, and a span ending inside one of the training text's tokens (")\n"
-  then "```" where the model learned ")\n```") misleads the model;
-- TPF and committed tokens/s of every run (`generate --json`: a template's are its fills').
+- a line hidden (one per question, chosen at random), behind a gap of 1, 2 and 4 times its
+  tokens (with its newline) and behind `{{gap}}` (the file's gen length, 512);
+- a cursor inside a line: the rest of a random line hidden, from a random point in it, behind
+  `{{gap}}` (what an editor asks);
+- code completion: for the 50 code answers, 3 cursors at random points inside the function's
+  body, the rest of that line hidden, behind `{{gap}}`.
+
+Each is run with the gap as a maximum (`{{gap:N}}`, the fill takes the length its text needs:
+the new behaviour) and as an exact size (`{{gap:=N}}`, filled to its end: the old behaviour of
+`{{gap:N}}`). Ordinary generation of the same questions (no template: is the whole answer the
+worked one) is the ceiling. Forwards are compared with an exactly sized gap (`{{gap:=L}}`, L the
+hidden text's tokens) on the same text.
 """
 
 import argparse
+import collections
 import json
 import os
-import statistics
+import random
 import subprocess
 import sys
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.join(ROOT, "train"))
-import corpus  # noqa: E402
+KINDS = ("add", "story", "list", "code")
 
 
-def run(a, question, extra):
+def run(a, question, template=None):
     cmd = [a.refusion, "generate", "-m", a.model, "-p", question, "--json", "-t", str(a.threads)]
-    out = subprocess.run(cmd + extra, capture_output=True, text=True)
+    if template is not None:
+        cmd += ["--template", template]
+    out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
-        sys.exit(f"{' '.join(cmd + extra)}: {out.stderr.strip()}")
+        sys.exit(f"{' '.join(cmd)}: {out.stderr.strip()}")
     return json.loads(out.stdout)
-
-
-def first_line(text):
-    return text.split("\n", 1)[0]
 
 
 class Tally:
     def __init__(self):
-        self.right, self.n, self.tpf, self.tokens, self.seconds = 0, 0, [], 0, 0.0
+        self.right = collections.Counter()
+        self.n = collections.Counter()
+        self.forwards, self.exact_forwards = 0, 0
 
-    def add(self, ok, r):
-        self.right += bool(ok)
-        self.n += 1
-        self.tpf.append(r["tpf"])
-        fills = r.get("gaps")
-        self.tokens += sum(len(g["tokens"]) for g in fills) if fills else r["answer_tokens"]
-        self.seconds += r["timings"]["generate_ms"] / 1e3
+    def add(self, kind, ok, forwards=0, exact_forwards=0):
+        self.right[kind] += bool(ok)
+        self.n[kind] += 1
+        self.forwards += forwards
+        self.exact_forwards += exact_forwards
 
     def row(self):
-        return {"right": self.right, "n": self.n,
-                "accuracy": round(self.right / max(self.n, 1), 3),
-                "mean_tpf": round(statistics.mean(self.tpf), 2) if self.tpf else None,
-                "tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 1)}
+        out = {k: {"right": self.right[k], "n": self.n[k]} for k in KINDS if self.n[k]}
+        total_r, total_n = sum(self.right.values()), sum(self.n.values())
+        out["all"] = {"right": total_r, "n": total_n,
+                      "accuracy": round(total_r / max(total_n, 1), 3)}
+        if self.exact_forwards:
+            out["forwards_vs_exact"] = round(self.forwards / self.exact_forwards, 3)
+        return out
+
+
+def cases(h, rng, size):
+    """(name, text before, hidden text, text after) for one question."""
+    lines = h["response"].split("\n")
+    out = []
+    i = rng.randrange(len(lines))
+    before = "".join(l + "\n" for l in lines[:i])
+    after = "\n".join(lines[i + 1:])
+    out.append(("line", before, lines[i] + ("\n" if after else ""), after))
+    j = rng.randrange(len(lines))
+    while len(lines[j]) < 2:
+        j = rng.randrange(len(lines))
+    p = rng.randrange(1, len(lines[j]))
+    out.append(("cursor", "".join(l + "\n" for l in lines[:j]) + lines[j][:p], lines[j][p:],
+                ("\n" if j + 1 < len(lines) else "") + "\n".join(lines[j + 1:])))
+    if h["kind"] == "code":
+        body = [k for k, l in enumerate(lines) if l.startswith("    ")]
+        for _ in range(3):
+            k = rng.choice(body)
+            p = rng.randrange(1, len(lines[k]))
+            out.append(("code_cursor", "".join(l + "\n" for l in lines[:k]) + lines[k][:p],
+                        lines[k][p:], "\n" + "\n".join(lines[k + 1:])))
+    return out
 
 
 def main():
@@ -71,48 +100,36 @@ def main():
     ap.add_argument("--heldout", default=os.path.join(ROOT, "models/refusion-tiny/heldout.json"))
     ap.add_argument("--tokenizer", default=os.path.join(ROOT, "models/refusion-tiny/tokenizer.json"))
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--out")
     a = ap.parse_args()
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(a.tokenizer)
-    size = lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+    size = lambda text: max(1, len(tok.encode(text, add_special_tokens=False).ids))
     held = json.load(open(a.heldout))
-    t = {k: Tally() for k in ["plain", "second_exact", "second_exact_nl", "second_32",
-                              "second_plain", "last_exact", "last_exact_nl", "last_32",
-                              "last_plain", "working", "working_plain"]}
+    rng = random.Random(a.seed)
+    t = collections.defaultdict(Tally)
     start = time.time()
     for h in held:
-        lines = h["response"].split("\n")
-        plain = run(a, h["question"], [])
-        plain_lines = plain["text"].split("\n")
-        t["plain"].add(corpus.extract(h["kind"], plain["text"]) == corpus.extract(h["kind"], h["response"]), plain)
-        hidden = [("second", 1)] if len(lines) >= 3 else []
-        hidden.append(("last", len(lines) - 1))
-        for name, i in hidden:
-            line = lines[i]
-            before = "".join(l + "\n" for l in lines[:i])
-            after = "\n".join(lines[i + 1:])
-            gap_text = line + ("\n" if after else "")
-            for label, n in [("exact", size(gap_text)), ("32", 32)]:
-                r = run(a, h["question"], ["--template", f"{before}{{{{gap:{n}}}}}{after}"])
-                t[f"{name}_{label}"].add(first_line(r["gaps"][0]["text"]) == line, r)
-            # The gap holding the newline before the line instead (the spans then end and
-            # start where the training text's tokens do: "...)\n```" is not "...)\n" + "```").
-            before_nl, gap_nl = "\n".join(lines[:i]), "\n" + line
-            after_nl = "\n" + after if after else ""
-            r = run(a, h["question"],
-                    ["--template", f"{before_nl}{{{{gap:{size(gap_nl)}}}}}{after_nl}"])
-            t[f"{name}_exact_nl"].add(first_line(r["gaps"][0]["text"].lstrip("\n")) == line, r)
-            ok = len(plain_lines) > i and plain_lines[i] == line
-            t[f"{name}_plain"].add(ok, plain)
-        if h["kind"] != "code":
-            r = run(a, h["question"], ["--template", f"{{{{gap:96}}}}{lines[-1]}"])
-            fill = r["gaps"][0]["text"]
-            t["working"].add(corpus.extract(h["kind"], fill) == h["answer"], r)
-            t["working_plain"].add(corpus.extract(h["kind"], plain["text"]) == h["answer"], plain)
-    rows = {k: v.row() for k, v in t.items()}
+        q, truth, kind = h["question"], h["response"], h["kind"]
+        plain = run(a, q)
+        t["plain"].add(kind, plain["text"] == truth)
+        for name, before, hidden, after in cases(h, rng, size):
+            n = size(hidden)
+            exact = run(a, q, f"{before}{{{{gap:={n}}}}}{after}")
+            ex_fw = exact["forward_calls"]
+            gaps = [("1x", n), ("2x", 2 * n), ("4x", 4 * n), ("gap", None)] if name == "line" \
+                else [("gap", None)]
+            for label, m in gaps:
+                fit = "{{gap}}" if m is None else f"{{{{gap:{m}}}}}"
+                r = run(a, q, f"{before}{fit}{after}")
+                t[f"{name}_{label}"].add(kind, r["text"] == truth, r["forward_calls"], ex_fw)
+                old = f"{{{{gap:={m if m is not None else 512}}}}}"
+                r = run(a, q, f"{before}{old}{after}")
+                t[f"{name}_{label}_old"].add(kind, r["text"] == truth)
+    rows = {k: v.row() for k, v in sorted(t.items())}
     doc = {"model": os.path.basename(a.model), "questions": len(held), "threads": a.threads,
-           "seconds": round(time.time() - start, 1), "results": rows}
+           "seed": a.seed, "seconds": round(time.time() - start, 1), "results": rows}
     print(json.dumps(doc, indent=1))
     if a.out:
         json.dump(doc, open(a.out, "w"), indent=1)

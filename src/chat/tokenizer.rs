@@ -42,6 +42,9 @@ pub struct Tokenizer {
     /// token healing; a control token's is empty.
     bytes: Vec<u8>,
     offsets: Vec<u32>,
+    /// A copy that reads special tokens' text as text (llama.cpp's `parse_special: false`),
+    /// made the first time it is needed ([`Tokenizer::encode_text`]).
+    plain: std::sync::OnceLock<tokenizers::Tokenizer>,
 }
 
 /// GPT-2's byte-level alphabet read back: the character standing for each byte (printable
@@ -263,6 +266,7 @@ impl Tokenizer {
             special,
             bytes,
             offsets,
+            plain: std::sync::OnceLock::new(),
         })
     }
 
@@ -274,6 +278,20 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self
             .inner
+            .encode(text, false)
+            .map_err(|e| Error::model(format!("tokenizing: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` read as text: a special token's text written in it (`<|im_end|>`)
+    /// is those characters, not the token (a template's known spans, by default).
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        let plain = self.plain.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let enc = plain
             .encode(text, false)
             .map_err(|e| Error::model(format!("tokenizing: {e}")))?;
         Ok(enc.get_ids().to_vec())

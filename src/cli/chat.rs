@@ -287,7 +287,7 @@ impl Chat<'_> {
     fn templated(&self, template: &str) -> crate::error::Result<crate::decode::DecodeParams> {
         let pieces = crate::decode::template::parse(template, self.params.gen_length)?;
         let tok = self.session.tokenizer();
-        let t = crate::decode::Template::from_text(&pieces, |s| tok.encode(s), Some(tok))?;
+        let t = crate::decode::Template::from_text(&pieces, |s| tok.encode_text(s), Some(tok))?;
         let base = self.params.clone();
         let vocab = crate::model::Forward::config(self.session.model()).vocab;
         t.validate_for(base.mask_id, vocab, base.slot_size)?;

@@ -60,6 +60,10 @@ pub struct GenerateArgs {
     /// The text after the answer: shorthand for --template '{{gap}}TEXT'.
     #[arg(long, value_name = "TEXT", conflicts_with = "batch")]
     suffix: Option<String>,
+    /// Read special tokens' text in a template's known spans as the tokens (llama.cpp's
+    /// `parse_special`); by default `<|im_end|>` written there is text.
+    #[arg(long)]
+    parse_special: bool,
     /// Print one JSON object with the tokens, text and figures instead of streaming text.
     #[arg(long)]
     pub(super) json: bool,
@@ -495,8 +499,11 @@ impl GenerateArgs {
             return Ok(params);
         };
         let pieces = pieces?;
-        let t =
-            crate::decode::Template::from_text(&pieces, |s| tokenizer.encode(s), Some(tokenizer))?;
+        let encode = |s: &str| match self.parse_special {
+            true => tokenizer.encode(s),
+            false => tokenizer.encode_text(s),
+        };
+        let t = crate::decode::Template::from_text(&pieces, encode, Some(tokenizer))?;
         t.validate_for(params.mask_id, vocab, params.slot_size)?;
         let params = params.with_template(t);
         params.validate()?;

@@ -132,7 +132,11 @@ impl Fit {
 
     /// After a probe's step: once every fitted gap is found, the final decode at the lengths
     /// found starts (the probe's entries after the prompt are dropped).
-    fn after_probe_step(&mut self, cache: &mut SeqCache<'_>) -> Result<()> {
+    fn after_probe_step(
+        &mut self,
+        cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
         let t = self.params.answer_template().into_owned();
         let found = self.found(&t);
         if found.contains(&Found::Open) && !self.inner.is_done() {
@@ -152,6 +156,7 @@ impl Fit {
                 }
             }
         }
+        on_event(Event::Resized { template: &sized });
         self.restart(sized, cache)
     }
 
@@ -216,7 +221,7 @@ impl Strategy for Fit {
         };
         self.inner.feed(logits, cache, &mut drafts)?;
         if matches!(self.stage, Stage::Probe) && self.inner.at_step_boundary() {
-            self.after_probe_step(cache)?;
+            self.after_probe_step(cache, on_event)?;
         }
         if self.inner.is_done() {
             let k = self.params.slot_size;

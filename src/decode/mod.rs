@@ -56,6 +56,9 @@ pub enum Event<'a> {
         positions: &'a [u32],
         tokens: &'a [u32],
     },
+    /// The answer is laid out anew (a fitted gap decoded again at the length found: its
+    /// known text after it moved); what was drawn of the old layout is void.
+    Resized { template: &'a Template },
 }
 
 #[derive(Debug, Clone)]

@@ -778,4 +778,153 @@ mod tests {
         assert_eq!((f.gaps[0].eos, f.gaps[1].eos), (true, false));
         assert_eq!(f.gaps[1].start, 15);
     }
+
+    /// A vocabulary of a few tokens' texts.
+    struct Vocab(Vec<&'static str>);
+
+    impl TokenBytes for Vocab {
+        fn vocab_len(&self) -> usize {
+            self.0.len()
+        }
+        fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+            self.0
+                .get(id as usize)
+                .filter(|t| !t.starts_with("<|"))
+                .map(|t| t.as_bytes())
+        }
+    }
+
+    fn vocab() -> Vocab {
+        Vocab(vec![
+            "We", " add", ".", ".\n", "\n", "The", " answer", " i", " in", "n", " xs", "<|e|>",
+            " wr", "ite", " write", "w",
+        ])
+    }
+
+    fn fit(max: u32) -> TextPiece {
+        TextPiece::Gap(GapSize::most(max))
+    }
+
+    #[test]
+    fn healing_takes_the_tokens_next_to_a_fitted_gap() {
+        let v = vocab();
+        // "We add." | gap | "\nThe answer"
+        let pieces = [
+            TextPiece::Text("a".into()),
+            fit(5),
+            TextPiece::Text("b".into()),
+        ];
+        let ids = |t: &str| {
+            if t == "a" {
+                vec![0, 1, 2]
+            } else {
+                vec![4, 5, 6]
+            }
+        };
+        let t = Template::from_text(&pieces, |s| Ok::<_, ()>(ids(s)), Some(&v)).unwrap();
+        let Piece::Fit(f) = &t.pieces[1] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(t.pieces[0], Piece::Known(vec![0, 1]));
+        assert_eq!(t.pieces[2], Piece::Known(vec![5, 6]));
+        assert_eq!((f.max, f.size), (7, 7), "one more token a healed edge");
+        let first = f.first.as_ref().unwrap();
+        assert_eq!((first.tokens.clone(), &*first.fits), (vec![2], &[2, 3][..]));
+        let last = f.last.as_ref().unwrap();
+        assert_eq!((last.tokens.clone(), &*last.fits), (vec![4], &[3, 4][..]));
+        // An exact gap is left alone, and so is a special token.
+        let pieces = [
+            TextPiece::Text("a".into()),
+            TextPiece::Gap(GapSize::exactly(5)),
+        ];
+        let t = Template::from_text(&pieces, |_| Ok::<_, ()>(vec![0, 1, 2]), Some(&v)).unwrap();
+        assert_eq!(t.pieces, vec![Piece::Known(vec![0, 1, 2]), Piece::Gap(5)]);
+        let pieces = [TextPiece::Text("a".into()), fit(5)];
+        let t = Template::from_text(&pieces, |_| Ok::<_, ()>(vec![0, 11]), Some(&v)).unwrap();
+        assert_eq!(t.pieces[0], Piece::Known(vec![0, 11]));
+    }
+
+    #[test]
+    fn healing_takes_the_rest_of_a_word_cut_by_the_cursor() {
+        let v = vocab();
+        // "We w" + "r" would not be a token pair the model saw: " wr" is taken whole when a
+        // token starts with it.
+        let pieces = [TextPiece::Text("a".into()), fit(5)];
+        let t = Template::from_text(&pieces, |_| Ok::<_, ()>(vec![0, 12]), Some(&v)).unwrap();
+        let Piece::Fit(f) = &t.pieces[1] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(t.pieces[0], Piece::Known(vec![0]));
+        let first = f.first.as_ref().unwrap();
+        assert_eq!(first.tokens, vec![12]);
+        assert_eq!(&*first.fits, &[12, 14], "the tokens starting with ' wr'");
+        // Two tokens of one word ("w", "rite" is not one: " wr" + "ite"): both go, when some
+        // token starts with their text.
+        let t = Template::from_text(&pieces, |_| Ok::<_, ()>(vec![0, 12, 13]), Some(&v)).unwrap();
+        let Piece::Fit(f) = &t.pieces[1] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(f.first.as_ref().unwrap().tokens, vec![12, 13]);
+        assert_eq!(&*f.first.as_ref().unwrap().fits, &[14]);
+    }
+
+    #[test]
+    fn a_fill_is_cut_where_the_span_after_it_comes_again() {
+        let last = Healed {
+            tokens: vec![4],
+            bytes: 1,
+            fits: vec![3, 4].into(),
+        };
+        // middle ".\n" then "The answer" again: cut after ".\n" (it stands for the "\n").
+        assert_eq!(junction(&[1, 3, 5, 6], &[5, 6], Some(&last), 0), Some(2));
+        // The gap's end without a spill: the fill ends with the healed text.
+        assert_eq!(junction(&[1, 3], &[5, 6], Some(&last), 0), Some(2));
+        // Not: a fill that does not end with it, or whose tail disagrees.
+        assert_eq!(junction(&[1, 2], &[5, 6], Some(&last), 0), None);
+        assert_eq!(junction(&[1, 3, 6], &[5, 6], Some(&last), 0), None);
+        // A probe needs two of the span's tokens after the cut.
+        assert_eq!(junction(&[1, 3, 5], &[5, 6, 7], Some(&last), 2), None);
+        assert_eq!(junction(&[1, 3, 5, 6], &[5, 6, 7], Some(&last), 2), Some(2));
+        // Without a healed token: at least one agreeing token; the most agreeing, then latest.
+        assert_eq!(junction(&[1, 5], &[5, 6], None, 0), Some(1));
+        assert_eq!(junction(&[1, 2], &[5, 6], None, 0), None);
+        assert_eq!(rewritten_at(&[1, 2, 5, 6, 7], &[5, 6, 7, 8]), Some(2));
+        assert_eq!(rewritten_at(&[5, 6, 7], &[5, 6, 7]), None, "from index 1");
+    }
+
+    #[test]
+    fn a_fitted_fill_is_stitched_with_its_healed_edges() {
+        let v = vocab();
+        let pieces = [
+            TextPiece::Text("a".into()),
+            fit(5),
+            TextPiece::Text("b".into()),
+        ];
+        let ids = |t: &str| {
+            if t == "a" {
+                vec![0, 1, 2]
+            } else {
+                vec![4, 5, 6]
+            }
+        };
+        let t = Template::from_text(&pieces, |s| Ok::<_, ()>(ids(s)), Some(&v)).unwrap();
+        // The gap (7 tokens, 2 slots of 4) at 12..20, the span at 20.. : the fill writes
+        // ". The answer" hmm: ".", " add", ".\n" then the span again.
+        let toks = [3, 1, 3, 5, 6, 0, 0, 0];
+        let pos: Vec<u32> = (12..20).collect();
+        let f = Filled::stitch(&t, 10, 4, &toks, &pos, 99);
+        let g = &f.gaps[0];
+        assert_eq!(g.tokens, vec![3, 1, 3]);
+        assert_eq!((g.skip, g.trim, g.truncated), (1, 1, false));
+        assert_eq!(f.answer, vec![0, 1, 3, 1, 3, 5, 6]);
+        assert_eq!(g.text_of(".\n add.\n".as_bytes()), "\n add.");
+        // A fill that stands for neither healed token gets both back, and is too small.
+        let toks = [0, 0, 0, 0, 0, 0, 0, 0];
+        let f = Filled::stitch(&t, 10, 4, &toks, &pos, 99);
+        assert_eq!(
+            f.answer,
+            [vec![0, 1, 2], vec![0; 8], vec![4, 5, 6]].concat()
+        );
+        assert!(f.gaps[0].truncated);
+    }
 }

@@ -90,16 +90,34 @@ impl Trace {
         let k = params.slot_size.max(1);
         match (params.strategy, &params.template) {
             (Kind::Autoregressive, _) => t.slot_size = 0,
-            (Kind::Infill, Some(template)) => {
-                let (tokens, positions) = template.known(prompt_len, k);
-                for (p, tok) in positions.into_iter().zip(tokens) {
-                    t.set(p, CellState::Given, tok);
-                }
-                t.slot_runs = template.gaps(0, k);
-            }
+            (Kind::Infill, Some(template)) => t.lay_out(template),
             _ => t.slot_runs = vec![(0, len as u32 / k)],
         }
         t
+    }
+
+    /// Every cell masked but `template`'s known text, given (cells past its positions stay
+    /// masked: a shorter layout than the first).
+    fn lay_out(&mut self, template: &super::Template) {
+        let k = self.slot_size.max(1);
+        for i in 0..self.cells.len() {
+            let masked = Cell {
+                state: CellState::Masked,
+                token: None,
+            };
+            if self.cells[i] != masked {
+                self.cells[i] = masked;
+                if !self.dirty[i] {
+                    self.dirty[i] = true;
+                    self.changed.push(i as u32);
+                }
+            }
+        }
+        let (tokens, positions) = template.known(self.start, k);
+        for (p, tok) in positions.into_iter().zip(tokens) {
+            self.set(p, CellState::Given, tok);
+        }
+        self.slot_runs = template.gaps(0, k);
     }
 
     /// The slot size (0: no slots) and the runs of slots, `(first index, slots)`.
@@ -142,6 +160,7 @@ impl Trace {
                     }
                 }
             }
+            Event::Resized { template } => self.lay_out(template),
             Event::Committed { positions, tokens } => {
                 for (&p, &tok) in positions.iter().zip(tokens) {
                     // A token that was a row's draft was infilled; one from a plan (or from

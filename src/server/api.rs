@@ -247,6 +247,10 @@ pub struct ChatRequest {
     /// generation); without it, text is never read as markers.
     #[serde(default)]
     pub infill: bool,
+    /// With `infill`: special tokens' text in the answer's known text is read as the tokens
+    /// (llama.cpp's `parse_special`); by default it is text.
+    #[serde(default)]
+    pub parse_special: bool,
     #[serde(flatten)]
     pub knobs: Knobs,
 }

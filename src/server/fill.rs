@@ -25,11 +25,18 @@ pub enum FillSource {
 pub struct FillSpec {
     pub source: FillSource,
     pub field: &'static str,
+    /// Special tokens' text in the known spans is read as the tokens (the chat API's
+    /// `parse_special`); by default it is text.
+    pub parse_special: bool,
 }
 
 impl FillSpec {
     pub fn new(source: FillSource, field: &'static str) -> FillSpec {
-        FillSpec { source, field }
+        FillSpec {
+            source,
+            field,
+            parse_special: false,
+        }
     }
 
     /// The template's text pieces, `{{gap}}` (and a suffix's gap) of `default_gap` tokens.
@@ -61,7 +68,11 @@ impl FillSpec {
             .param("strategy"));
         }
         let pieces = self.pieces(params.gen_length)?;
-        let t = Template::from_text(&pieces, |s| tok.encode(s), Some(tok))
+        let encode = |s: &str| match self.parse_special {
+            true => tok.encode(s),
+            false => tok.encode_text(s),
+        };
+        let t = Template::from_text(&pieces, encode, Some(tok))
             .map_err(|e| ApiError::bad_request(e.to_string()).param(self.field))?;
         t.validate_for(params.mask_id, vocab, params.slot_size)
             .map_err(|e| self.error(e))?;

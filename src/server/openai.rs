@@ -35,7 +35,9 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
         return Err(ApiError::bad_request("messages must not be empty").param("messages"));
     }
     let template = if req.infill {
-        Some(infill_answer(&mut req.messages)?)
+        let mut spec = infill_answer(&mut req.messages)?;
+        spec.parse_special = req.parse_special;
+        Some(spec)
     } else {
         None
     };
