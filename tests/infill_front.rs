@@ -247,7 +247,10 @@ fn bad_templates_are_refused_in_one_line() {
             &["--template", "a {{gap:2000000}}"][..],
             "beyond any context",
         ),
-        (&["--template", "a <|mask|> {{gap}}"][..], "mask token"),
+        (
+            &["--template", "a <|mask|> {{gap}}", "--parse-special"][..],
+            "mask token",
+        ),
         (&["--template", "{{gap:4000}}", "-c", "512"][..], "context"),
         (
             &["--suffix", "x", "--strategy", "ar"][..],
@@ -565,7 +568,11 @@ fn template_mistakes_are_400s_naming_the_field() {
         ),
         (
             "/v1/chat/completions",
-            chat("a <|mask|>{{gap}}"),
+            {
+                let mut b = chat("a <|mask|>{{gap}}");
+                b["parse_special"] = json!(true);
+                b
+            },
             "messages",
             "mask token",
         ),
@@ -581,12 +588,6 @@ fn template_mistakes_are_400s_naming_the_field() {
             json!({"messages": [{"role": "user", "content": "hi"}], "infill": true}),
             "messages",
             "last message",
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "hi", "suffix": "<|mask|>"}),
-            "suffix",
-            "mask token",
         ),
         (
             "/v1/completions",
@@ -620,12 +621,6 @@ fn template_mistakes_are_400s_naming_the_field() {
             "n_predict",
             "0 or more",
         ),
-        (
-            "/infill",
-            json!({"input_prefix": "a", "input_suffix": "<|mask|>"}),
-            "input_suffix",
-            "mask",
-        ),
     ] {
         let (status, text) = post(&server, path, &body);
         assert_eq!(status, 400, "{path} {body}: {text}");
@@ -636,6 +631,21 @@ fn template_mistakes_are_400s_naming_the_field() {
             "{text}"
         );
     }
+    // A special token's text in a suffix or a known span is text (llama.cpp's
+    // `parse_special: false`): answered, and kept as written.
+    let (status, text) = post(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": "hi", "suffix": "<|mask|>", "max_tokens": 8}),
+    );
+    assert_eq!(status, 200, "{text}");
+    let v = post_json(
+        &server,
+        "/v1/chat/completions",
+        &merged(chat("a <|im_end|> b{{gap:8}}"), &json!({"max_tokens": 8})),
+    );
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(answer.starts_with("a <|im_end|> b"), "{answer:?}");
 }
 
 /// llama-server's `n_indent` rule: `text` up to its first later line that is not blank and is
