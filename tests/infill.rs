@@ -209,3 +209,83 @@ fn infill_requests_through_the_scheduler_stay_exact() {
         assert!(results.keys().any(|&k| k >= 1000));
     }
 }
+
+/// Fitted gaps (train/fit.py's goldens: the probe, then the final decode of each gap at the
+/// length found) through the scheduler, 1 and 4 at a time beside plain requests: each gives the
+/// reference's tokens, forwards and fills (the probe's entries dropped, the prompt's kept).
+#[test]
+fn fitted_gaps_through_the_scheduler_stay_exact() {
+    let text = std::fs::read_to_string(fixtures().join("goldens_fit.json")).unwrap();
+    let doc: Value = serde_json::from_str(&text).unwrap();
+    let cases: Vec<Value> = doc["cases"].as_array().unwrap().clone();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("refusion-tiny.gguf");
+    convert_quiet(&trained_tiny(), &path, "f32");
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let tok = refusion::chat::Tokenizer::from_gguf(&file.header).unwrap();
+    let m = Qwen3::load_offloaded(file, None).unwrap();
+    let fitted = |c: &Value| {
+        let pieces = refusion::decode::template::parse(
+            c["template_text"].as_str().unwrap(),
+            c["gen_length"].as_u64().unwrap() as u32,
+        )
+        .unwrap();
+        let t = Template::from_text(&pieces, |s| tok.encode_text(s), Some(&tok)).unwrap();
+        let mut p = golden_params(c);
+        p.seed = c["seed"].as_u64().unwrap();
+        p.with_template(t)
+    };
+    for parallel in [1, 4] {
+        let results = Results::default();
+        let cache = m.new_cache(16384, CacheType::F32, None).unwrap();
+        let mut sched = Scheduler::new(&m, cache, parallel);
+        for (i, c) in cases.iter().enumerate() {
+            let prompt = golden_ids(&c["prompt_ids"]);
+            sched.submit(request(i, prompt.clone(), fitted(c), &results));
+            if i % 5 == 0 {
+                let mut plain = golden_params(c);
+                (plain.gen_length, plain.serial_blocks) = (32, 1);
+                sched.submit(request(1000 + i, prompt, plain, &results));
+            }
+        }
+        while !sched.is_idle() {
+            sched.step();
+        }
+        drop(sched);
+        let results = results.into_inner();
+        let mut failures = Vec::new();
+        for (i, c) in cases.iter().enumerate() {
+            let r = &results[&i];
+            let fills: Vec<Vec<u32>> = r
+                .filled
+                .as_ref()
+                .unwrap()
+                .gaps
+                .iter()
+                .map(|g| g.tokens.clone())
+                .collect();
+            let want: Vec<Vec<u32>> = c["fills"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|f| golden_ids(&f["tokens"]))
+                .collect();
+            let same = r.tokens == golden_ids(&c["tokens"])
+                && r.positions == golden_ids(&c["positions"])
+                && r.forward_calls as u64 == c["n_forward"].as_u64().unwrap()
+                && (r.tpf - c["tpf"].as_f64().unwrap()).abs() < 1e-9
+                && r.filled.as_ref().unwrap().answer == golden_ids(&c["answer"])
+                && fills == want;
+            if !same {
+                failures.push(format!("{} {}", c["id"], c["template_name"]));
+            }
+        }
+        assert!(
+            failures.is_empty(),
+            "-np {parallel}: {} of {} differ: {}",
+            failures.len(),
+            cases.len(),
+            failures.join(", ")
+        );
+    }
+}

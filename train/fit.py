@@ -457,7 +457,8 @@ def main():
                         "prompt_ids": prompt, "template_text": ttext,
                         "gen_length": s[0], "slot_size": s[1], "serial_num_blocks": s[2],
                         "slot_threshold": s[3], "token_threshold": s[4],
-                        "temperature": temperature, "seed": seed,
+                        "temperature": temperature, "seed": seed, "eos_id": eos,
+                        "mask_id": mask_id,
                         "text": tok.decode(got["answer"]), "truth": h["response"],
                         **{k: v for k, v in got.items() if k != "fills"}, "fills": fills}
                 cases.append(case)
