@@ -22,8 +22,12 @@ Written from docs/infill.md ("A gap is a maximum") over train/infill.py's `gener
    are (or the drafting is done), the probe ends.
 3. The final decode: `generate_infill` with each fitted gap at L tokens (at least 1, rounded up
    to whole slots) when that is smaller than its size, and the healed starts restricted.
-4. Stitching: a fitted gap's fill is cut where it meets the span after it (any agreement), else
-   where it writes the span again; a healed token the fill does not stand for is put back.
+4. Stitching: a fitted gap's fill is cut where it meets the span after it with at least one
+   token of the span written again, else where the healed text is written for the first of
+   several times before the span (a slot's positions past the text filled with it), else at
+   the length the probe found (where the fill's token there stands for the healed text), else
+   where it meets the span with no token after, else where it writes the span again; a healed
+   token the fill does not stand for is put back.
 
 A template whose fitted gaps have no span after them has no probe.
 """
@@ -309,7 +313,20 @@ def stitch_fit(template, tokens, positions, start, k, eos):
             pos = end
             continue
         span = template[i + 1]["known"] if i + 1 < len(template) and "known" in template[i + 1] else None
-        meets = junction(raw, span, p.get("last"), 0) if span is not None else None
+        last = p.get("last")
+        meets = junction(raw, span, last, 1) if span is not None else None
+        n_found = p.get("found")
+        if meets is None and span is not None and last:
+            # The healed text written more than once before the span: the first time it is.
+            for i in range(1, len(raw) + 1):
+                if raw[i - 1] in last["fits"] and all(x in last["fits"] for x in raw[i:]):
+                    meets = i
+                    break
+        if meets is None and span is not None and last and n_found is not None \
+                and 1 <= n_found <= len(raw) and raw[n_found - 1] in last["fits"]:
+            meets = n_found
+        if meets is None and span is not None:
+            meets = junction(raw, span, last, 0)
         again = rewritten_at(raw, span) if meets is None and span is not None else None
         cut = meets if meets is not None else again
         fill = raw[:cut] if cut is not None else raw
@@ -344,6 +361,7 @@ def generate_fit(model, eos, prompt, template, s, mask_id, temperature=0.0, seed
         lengths = probe(counted, eos, prompt, t, s, mask_id, temperature, seed)
         for p, n in zip([p for p in t if "fit" in p], lengths):
             if n is not None:
+                p["found"] = n
                 size = -(-max(n, 1) // k) * k
                 if size < -(-p["size"] // k) * k:
                     p["size"] = size

@@ -145,10 +145,9 @@ fn worked_sum_template(question: &str) -> Option<String> {
     let ones = a % 10 + b % 10;
     let tens = a / 10 + b / 10 + ones / 10;
     let carry = if ones >= 10 { " + 1" } else { "" };
-    // The hidden line's length in the tiny model's tokens (with its newline).
-    let gap = if ones >= 10 { 20 } else { 15 };
+    // A gap is a maximum: the fill takes the hidden line's length, whatever it is.
     Some(format!(
-        "We add {a} and {b} column by column.\n{{{{gap:{gap}}}}}Tens: {} + {}{carry} = {tens}, write {tens}.\nSo {a} + {b} = {}.\nThe answer is {}.",
+        "We add {a} and {b} column by column.\n{{{{gap}}}}Tens: {} + {}{carry} = {tens}, write {tens}.\nSo {a} + {b} = {}.\nThe answer is {}.",
         a / 10,
         b / 10,
         a + b,

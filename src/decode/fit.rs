@@ -150,6 +150,7 @@ impl Fit {
         });
         for (f, found) in fits.zip(&found) {
             if let Found::Length(n) = *found {
+                f.found = Some(n);
                 let size = n.max(1).div_ceil(k) * k;
                 if size < f.size.div_ceil(k) * k {
                     f.size = size;

@@ -74,6 +74,8 @@ pub struct FitGap {
     /// span; the fill is expected to end with its text (`ends`: the tokens whose text ends
     /// with it, sorted), else the token is put back when the answer is stitched.
     pub last: Option<Healed>,
+    /// The tokens the probe found its text to take ([`super::fit`]), once found.
+    pub found: Option<u32>,
 }
 
 /// Tokens taken off a known span at a fitted gap's edge, and the tokens that may stand for
@@ -202,6 +204,7 @@ impl Template {
                     size: g.tokens,
                     first: None,
                     last: None,
+                    found: None,
                 })),
             }
         }
@@ -663,7 +666,26 @@ fn fitted(
     full: bool,
     answer: &mut Vec<u32>,
 ) -> GapFill {
-    let meets = span.and_then(|s| junction(raw, s, f.last.as_ref(), 0));
+    // Where the fill meets its span: written again after the cut (the strongest sign); else
+    // at the length the probe found, where the fill stands for the healed text there (the
+    // positions after the text, up to the slot's end, hold whatever the model put there);
+    // else at a fill that ends with the healed text.
+    let agreeing = span.and_then(|s| junction(raw, s, f.last.as_ref(), 1));
+    // The healed text written more than once before the span (a slot's positions past the
+    // text filled with it): the first time it is.
+    let repeated = f.last.as_ref().and_then(|h| {
+        (1..=raw.len()).find(|&i| h.admits(raw[i - 1]) && raw[i..].iter().all(|&t| h.admits(t)))
+    });
+    let at_found = f.found.map(|n| n as usize).filter(|&n| {
+        span.is_some()
+            && n >= 1
+            && n <= raw.len()
+            && f.last.as_ref().is_some_and(|h| h.admits(raw[n - 1]))
+    });
+    let meets = agreeing
+        .or(repeated)
+        .or(at_found)
+        .or_else(|| span.and_then(|s| junction(raw, s, f.last.as_ref(), 0)));
     // Else where the span's text comes again, if it does (the healed token not stood for).
     let again = meets
         .is_none()
