@@ -47,7 +47,8 @@ pub struct ChatArgs {
 
 const HELP: &str = "commands: /reset  /save FILE  /load FILE  /template TEXT  /bye (or /exit)  \
 /? (or /help)  (Ctrl-C stops an answer, Ctrl-D quits; arrows and Ctrl-R recall earlier lines)\n\
-/template TEXT: the next answer fills TEXT's {{gap}} / {{gap:N}} markers (\\n is a newline); \
+/template TEXT: the next answer fills TEXT's {{gap}} / {{gap:N}} (at most N) / {{gap:=N}} markers \
+(\\n is a newline); \
 /template alone forgets it";
 
 /// Saves the conversation: the KV cache, its tokens and the messages.
