@@ -3,6 +3,7 @@
 
 mod decode;
 pub mod lists;
+mod membw;
 mod score;
 
 use std::time::Instant;
@@ -17,6 +18,7 @@ use crate::model::{Batch, Forward, LogitsFor};
 use crate::runtime::{load, resident_bytes};
 
 #[derive(Args)]
+#[command(mut_arg("model", |a| a.required_unless_present_any(["hf_repo", "model_arg", "membw"])))]
 pub struct BenchArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -60,6 +62,11 @@ pub struct BenchArgs {
         conflicts_with_all = ["n_tokens", "n_gen", "prefix", "repetitions"]
     )]
     decode: Option<Vec<String>>,
+    /// Measure what the cores can read from memory per second instead (no model): every way
+    /// of reading, interleaved over -r rounds; the best is the anchor a one-token forward is
+    /// set against (benches/README.md).
+    #[arg(long, conflicts_with_all = ["decode", "n_tokens", "n_gen", "prefix"])]
+    membw: bool,
     /// Prompts per --decode setting.
     #[arg(long, default_value_t = 24, requires = "decode")]
     prompts: usize,
@@ -85,6 +92,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.decode.is_some() {
         return decode::run(a);
+    }
+    if a.membw {
+        return run_membw(&a);
     }
     let a = a.checked()?;
     let format = if a.json { "jsonl" } else { a.output.as_str() };
@@ -159,6 +169,67 @@ pub fn run(a: BenchArgs) -> Result<()> {
             }
         }
         _ => {}
+    }
+    Ok(())
+}
+
+/// `--membw`: the table of the ways of reading, the best one marked.
+fn run_membw(a: &BenchArgs) -> Result<()> {
+    if a.repetitions == 0 {
+        bail!("-r must be at least 1");
+    }
+    super::set_threads(a.model.threads)?;
+    let threads = crate::model::pool::WorkerPool::global().threads();
+    let ways = membw::measure(a.repetitions)?;
+    let best = ways.iter().map(|w| w.gbps).fold(0.0, f64::max);
+    let format = if a.json { "jsonl" } else { a.output.as_str() };
+    let json = |w: &membw::Stream| {
+        serde_json::json!({
+            "test": format!("membw {}", w.name),
+            "gbps": w.gbps,
+            "gbps_low": w.low,
+            "gbps_high": w.high,
+            "best": w.gbps == best,
+            "rounds": a.repetitions,
+            "threads": threads,
+        })
+    };
+    match format {
+        "md" => {
+            println!("| read            | threads | rounds |   GB/s (median) |          range |");
+            println!("| --------------- | ------: | -----: | --------------: | -------------: |");
+            for w in &ways {
+                let mark = if w.gbps == best { " (best)" } else { "" };
+                println!(
+                    "| {:<15} | {threads:>7} | {:>6} | {:>15} | {:>14} |",
+                    format!("{}{mark}", w.name),
+                    a.repetitions,
+                    format!("{:.2}", w.gbps),
+                    format!("{:.2}-{:.2}", w.low, w.high)
+                );
+            }
+        }
+        "json" => {
+            let all: Vec<_> = ways.iter().map(json).collect();
+            println!("{}", serde_json::Value::Array(all));
+        }
+        "jsonl" => ways.iter().for_each(|w| println!("{}", json(w))),
+        _ => {
+            if !a.no_header {
+                println!("test,threads,rounds,gbps,gbps_low,gbps_high,best");
+            }
+            for w in &ways {
+                println!(
+                    "membw {},{threads},{},{:.3},{:.3},{:.3},{}",
+                    w.name,
+                    a.repetitions,
+                    w.gbps,
+                    w.low,
+                    w.high,
+                    w.gbps == best
+                );
+            }
+        }
     }
     Ok(())
 }
@@ -296,6 +367,7 @@ impl ModelLine {
             "threads": self.threads,
             "backend": self.backend,
             "kernels": self.kernels,
+            "prefetch_tiles": crate::model::kquants::prefetch_tiles(),
         })
     }
 

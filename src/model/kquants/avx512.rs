@@ -6,11 +6,19 @@ use super::tiles::{
     Packed, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q5K_FIFTH_BITS, Q6K_D, Q6K_HIGH, Q6K_SCALES,
     Q8_0_D,
 };
-use super::{prefetch_part, stored_at, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
+use super::{prefetch_part, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
 use std::arch::x86_64::*;
 
 /// Activation rows per pass over a run's tiles.
 const TILE_MT: usize = 8;
+
+/// Passes of fewer activation rows than this split each row's integer sums into two
+/// chains of `vpdpbusd`, added at the end. One chain per row would wait on the
+/// instruction's latency (4-5 cycles) at one or two rows, where the multiply pipe takes one
+/// each cycle: a one-token product computed at a third of its rate, a pass of two (an
+/// 18-token forward's last) at half. Integer sums are exact in any order, so the floats are
+/// the same to the bit.
+const SPLIT: usize = 4;
 
 /// Run `run` of `w` (16 rows, the last one padded) against activation rows `from..m`, into
 /// `out` (`m x w.rows`).
@@ -248,6 +256,8 @@ unsafe fn packed_q4k<const N: usize, const FIVE: bool>(
                 _mm512_setzero_si512()
             };
             let mut isum = [_mm512_setzero_si512(); N];
+            // Below SPLIT tokens the high nibbles sum in a chain of their own (see SPLIT).
+            let mut isum_hi = [_mm512_setzero_si512(); N];
             for i in 0..4 {
                 let p = 4 * c + i;
                 let q = _mm512_load_si512(tile.add(64 * p) as *const _);
@@ -260,7 +270,16 @@ unsafe fn packed_q4k<const N: usize, const FIVE: bool>(
                 for t in 0..N {
                     let a = &acts[t * kb + b];
                     isum[t] = _mm512_dpbusd_epi32(isum[t], lo, bcast(a, 8 * p));
-                    isum[t] = _mm512_dpbusd_epi32(isum[t], hi, bcast(a, 8 * p + 4));
+                    if N < SPLIT {
+                        isum_hi[t] = _mm512_dpbusd_epi32(isum_hi[t], hi, bcast(a, 8 * p + 4));
+                    } else {
+                        isum[t] = _mm512_dpbusd_epi32(isum[t], hi, bcast(a, 8 * p + 4));
+                    }
+                }
+            }
+            if N < SPLIT {
+                for t in 0..N {
+                    isum[t] = _mm512_add_epi32(isum[t], isum_hi[t]);
                 }
             }
             let sc = _mm_loadu_si128(tile.add(Q4K_SCALES + 16 * c) as *const _);
@@ -284,8 +303,9 @@ unsafe fn packed_q4k<const N: usize, const FIVE: bool>(
 }
 
 /// 16 packed Q8_0 rows dotted with `N` activation rows, accumulated into `res`.
-/// `vpdpbusd` takes unsigned weights: each is offset by 128 (`xor 0x80`) and 128 times
-/// the chunk's activation sum taken off again, exactly (integers below 2^24 as f32).
+/// `vpdpbusd` takes unsigned weights: each is offset by 128 (`xor 0x80`), and each chunk's
+/// integer sum starts at minus 128 times its activations' sum, which takes the offset off
+/// exactly (the other paths subtract it as a float, also exactly: integers below 2^24).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn packed_q8_0<const N: usize>(
@@ -302,20 +322,29 @@ unsafe fn packed_q8_0<const N: usize>(
         for c in 0..8 {
             prefetch_part(tile, tile_bytes, c, 8);
             let mut isum = [_mm512_setzero_si512(); N];
+            for (t, s) in isum.iter_mut().enumerate() {
+                *s = _mm512_set1_epi32(acts[t * kb + b].q8_0_start[c]);
+            }
+            let mut isum_odd = [_mm512_setzero_si512(); N];
             for p in 8 * c..8 * c + 8 {
                 let q = _mm512_xor_si512(_mm512_load_si512(tile.add(64 * p) as *const _), flip);
                 for t in 0..N {
                     let a = &acts[t * kb + b];
-                    isum[t] = _mm512_dpbusd_epi32(isum[t], q, bcast(a, 4 * p));
+                    if N < SPLIT && p % 2 == 1 {
+                        isum_odd[t] = _mm512_dpbusd_epi32(isum_odd[t], q, bcast(a, 4 * p));
+                    } else {
+                        isum[t] = _mm512_dpbusd_epi32(isum[t], q, bcast(a, 4 * p));
+                    }
+                }
+            }
+            if N < SPLIT {
+                for t in 0..N {
+                    isum[t] = _mm512_add_epi32(isum[t], isum_odd[t]);
                 }
             }
             let d = f16x16(tile, Q8_0_D + 32 * c);
-            let n = stored_at(32 * c) / 32;
             for t in 0..N {
-                let a = &acts[t * kb + b];
-                let offset = _mm512_set1_ps(128.0 * a.fsum32[n]);
-                let isum = _mm512_sub_ps(_mm512_cvtepi32_ps(isum[t]), offset);
-                acc[t] = _mm512_fmadd_ps(isum, d, acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), d, acc[t]);
             }
         }
         for t in 0..N {
@@ -372,8 +401,17 @@ unsafe fn packed_q6k<const N: usize>(
                 let a = &acts[t * kb + b];
                 // The sum starts at the stored values' offset of 32, taken off exactly.
                 let mut isum = _mm512_set1_epi32(a.q6k_start[c]);
-                for (i, w) in w.iter().enumerate() {
-                    isum = _mm512_dpbusd_epi32(isum, *w, bcast(a, 16 * c + 4 * i));
+                if N < SPLIT {
+                    let mut odd =
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], bcast(a, 16 * c + 4));
+                    odd = _mm512_dpbusd_epi32(odd, w[3], bcast(a, 16 * c + 12));
+                    isum = _mm512_dpbusd_epi32(isum, w[0], bcast(a, 16 * c));
+                    isum = _mm512_dpbusd_epi32(isum, w[2], bcast(a, 16 * c + 8));
+                    isum = _mm512_add_epi32(isum, odd);
+                } else {
+                    for (i, w) in w.iter().enumerate() {
+                        isum = _mm512_dpbusd_epi32(isum, *w, bcast(a, 16 * c + 4 * i));
+                    }
                 }
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[t]);
             }

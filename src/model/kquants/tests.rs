@@ -245,31 +245,134 @@ fn a_tokens_product_does_not_depend_on_the_batch() {
     }
 }
 
-/// Time of one product per path (`cargo test --release --lib kquants::tests::timing -- --ignored --nocapture`).
+/// Time of one product per path (`cargo test --release --lib kquants::tests::timing --
+/// --ignored --nocapture`): a 3072x1024 matrix (in the last-level cache) at 1, 2, 8, 16 and
+/// 128 activation rows, every shape and path once per round, interleaved over 7 rounds (a
+/// drifting machine moves them alike), the median and range printed; then the instruction
+/// peak the products are set against (`vpdpbusd` on as many threads as the pool has, 16 independent
+/// chains each).
 #[test]
 #[ignore]
 fn timing() {
     let (rows, k) = (3072, 1024);
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+    const ROUNDS: usize = 7;
+    let sizes = [1usize, 2, 8, 16, 128];
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
         let mut seed = 9;
         let wf: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
         let mut data = vec![0u8; rows * k / QK * Packed::of(ty).unwrap().block_bytes()];
         quant::quantize(ty, &wf, k, &mut data);
         let w = PackedMatrix::pack(ty, rows, k, &data);
-        for m in [16, 128] {
+        let xs: Vec<Vec<f32>> = sizes
+            .iter()
+            .map(|&m| (0..m * k).map(|_| lcg(&mut seed)).collect())
+            .collect();
+        let mut rates = vec![vec![Vec::new(); paths().len()]; sizes.len()];
+        for _ in 0..ROUNDS {
+            for (si, &m) in sizes.iter().enumerate() {
+                let mut out = vec![0f32; m * rows];
+                for (pi, &path) in paths().iter().enumerate() {
+                    matmul_on(path, &[&w], &xs[si], m, &mut [&mut out[..]]);
+                    let reps = (2048 / m).clamp(10, 200);
+                    let t = std::time::Instant::now();
+                    for _ in 0..reps {
+                        matmul_on(path, &[&w], &xs[si], m, &mut [&mut out[..]]);
+                    }
+                    let dt = t.elapsed().as_secs_f64() / reps as f64;
+                    rates[si][pi].push((rows * k * m) as f64 / dt / 1e9);
+                }
+            }
+        }
+        for (si, &m) in sizes.iter().enumerate() {
+            for (pi, path) in paths().iter().enumerate() {
+                let r = &mut rates[si][pi];
+                r.sort_by(f64::total_cmp);
+                println!(
+                    "{ty} m {m} {path:?}: {:.0} GMAC/s (median of {ROUNDS}, {:.0}-{:.0})",
+                    r[ROUNDS / 2],
+                    r[0],
+                    r[ROUNDS - 1]
+                );
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512vnni") {
+        const ITERS: usize = 20_000_000;
+        let threads = crate::model::pool::WorkerPool::global().threads();
+        let t = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                // SAFETY: the CPU has AVX-512 VNNI (checked).
+                s.spawn(|| std::hint::black_box(unsafe { vnni_chains(ITERS) }));
+            }
+        });
+        let dt = t.elapsed().as_secs_f64();
+        let per_ns = (threads * ITERS * 16) as f64 / dt / 1e9;
+        println!(
+            "peak: {per_ns:.2} vpdpbusd/ns on {threads} threads, {:.0} GMAC/s (64 each)",
+            per_ns * 64.0
+        );
+    }
+}
+
+/// `iters` x 16 independent 512-bit `vpdpbusd`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn vnni_chains(iters: usize) -> i32 {
+    use std::arch::x86_64::*;
+    let a = _mm512_set1_epi8(1);
+    let b = _mm512_set1_epi8(2);
+    let mut acc = [_mm512_setzero_si512(); 16];
+    for _ in 0..iters {
+        for v in acc.iter_mut() {
+            *v = _mm512_dpbusd_epi32(*v, a, b);
+        }
+    }
+    _mm512_reduce_add_epi32(
+        acc.iter()
+            .fold(_mm512_setzero_si512(), |x, y| _mm512_add_epi32(x, *y)),
+    )
+}
+
+/// Prefetch distances on a matrix far larger than the last-level cache, one activation row
+/// (the one-token forward's shape), alternated call by call so the machine's drift moves them
+/// alike (`cargo test --release --lib kquants::tests::prefetch_distance -- --ignored
+/// --nocapture`).
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore]
+fn prefetch_distance() {
+    use std::sync::atomic::Ordering;
+    let (rows, k) = (32768, 4096);
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+        let mut seed = 9;
+        let block: Vec<f32> = (0..64 * k).map(|_| lcg(&mut seed)).collect();
+        let bb = Packed::of(ty).unwrap().block_bytes() * k / QK;
+        let mut one = vec![0u8; 64 * bb];
+        quant::quantize(ty, &block, k, &mut one);
+        let data: Vec<u8> = one.iter().copied().cycle().take(rows * bb).collect();
+        let w = PackedMatrix::pack(ty, rows, k, &data);
+        let bytes = (rows * bb) as f64;
+        for m in [1usize, 2, 4] {
             let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
             let mut out = vec![0f32; m * rows];
-            for path in paths() {
-                matmul_on(path, &[&w], &x, m, &mut [&mut out[..]]);
-                let t = std::time::Instant::now();
-                for _ in 0..20 {
-                    matmul_on(path, &[&w], &x, m, &mut [&mut out[..]]);
+            let dists = [0usize, 2, 4, 8, 16];
+            let mut t = vec![Vec::new(); dists.len()];
+            for _ in 0..40 {
+                for (i, &d) in dists.iter().enumerate() {
+                    super::PF_TILES.store(d, Ordering::Relaxed);
+                    let t0 = std::time::Instant::now();
+                    matmul_on(super::path(), &[&w], &x, m, &mut [&mut out[..]]);
+                    t[i].push(t0.elapsed().as_secs_f64());
                 }
-                let dt = t.elapsed().as_secs_f64() / 20.0;
+            }
+            super::PF_TILES.store(usize::MAX, Ordering::Relaxed);
+            for (i, &d) in dists.iter().enumerate() {
+                t[i].sort_by(f64::total_cmp);
                 println!(
-                    "{ty} m {m} {path:?}: {:.3} ms, {:.0} GMAC/s",
-                    dt * 1e3,
-                    (rows * k * m) as f64 / dt / 1e9
+                    "{ty} m {m} prefetch {d}: {:.1} GB/s (median of 40)",
+                    bytes / t[i][20] / 1e9
                 );
             }
         }

@@ -1,0 +1,277 @@
+//! `refusion bench --membw`: what this machine's cores can read from memory per second, the
+//! anchor a one-token forward (which reads every weight once) is set against.
+//!
+//! Written here because the anchor must read the way a kernel can: numpy's reductions
+//! (`benches/membw.py`) read below what both llama.cpp and refusion reach on the Zen 4 VM, and
+//! STREAM's copy mixes writes in. Each way of reading is timed over a buffer far larger than the
+//! last-level cache, split over the same worker pool the kernels use (`-t`):
+//! - `sse2`: 128-bit loads, one stream per thread (what a plain loop compiles to);
+//! - `avx2`, `avx512`: 256- and 512-bit loads, one stream per thread;
+//! - `x4`: the widest loads, four streams per thread (four places in its share, in turn);
+//! - `prefetch`: the widest loads with the kernels' software prefetch, 4 KiB ahead;
+//! - `nt`: non-temporal loads (`vmovntdqa`), the widest available.
+//!
+//! The anchor is the best of them (the median of its rounds).
+
+use std::time::Instant;
+
+use anyhow::Result;
+
+/// One way of reading, and its bandwidth.
+pub struct Stream {
+    pub name: &'static str,
+    /// Median over the rounds, and the rounds' range, in GB/s (10^9 bytes).
+    pub gbps: f64,
+    pub low: f64,
+    pub high: f64,
+}
+
+/// The buffer read: 1 GiB, 32x the largest last-level cache of the machines measured.
+const BYTES: usize = 1 << 30;
+/// Slices handed to the pool (each read whole by one thread).
+const SLICES: usize = 256;
+
+type ReadFn = unsafe fn(&[u8]) -> u64;
+
+/// The ways of reading this CPU can run.
+fn ways() -> Vec<(&'static str, ReadFn)> {
+    let mut v: Vec<(&'static str, ReadFn)> = vec![("sse2", read_narrow)];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") {
+            v.push(("avx2", x86::read_avx2));
+        }
+        let wide512 = std::arch::is_x86_feature_detected!("avx512f");
+        if wide512 {
+            v.push(("avx512", x86::read_avx512));
+            v.push(("x4", x86::read_avx512_x4));
+            v.push(("prefetch", x86::read_avx512_prefetch));
+            v.push(("nt", x86::read_avx512_nt));
+        } else if std::arch::is_x86_feature_detected!("avx2") {
+            v.push(("x4", x86::read_avx2_x4));
+            v.push(("prefetch", x86::read_avx2_prefetch));
+            v.push(("nt", x86::read_avx2_nt));
+        }
+    }
+    v
+}
+
+/// Times every way over `rounds` rounds, interleaved (each round reads once with every way, so
+/// a machine whose speed drifts moves them all alike).
+pub fn measure(rounds: usize) -> Result<Vec<Stream>> {
+    // Page-aligned (the non-temporal loads need 32- or 64-byte alignment).
+    let mut buf = memmap2::MmapMut::map_anon(BYTES)
+        .map_err(|e| anyhow::anyhow!("--membw needs 1 GiB of memory for its buffer: {e}"))?;
+    // Written, so every page is real (an untouched page reads the shared zero page, from cache).
+    buf.fill(0x5a);
+    let buf: &[u8] = &buf;
+    let ways = ways();
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); ways.len()];
+    let pool = crate::model::pool::WorkerPool::global();
+    for round in 0..=rounds {
+        for (w, &(_, read)) in ways.iter().enumerate() {
+            let slice = BYTES / SLICES;
+            let sink = std::sync::atomic::AtomicU64::new(0);
+            let t = Instant::now();
+            pool.execute_chunked(SLICES, |range| {
+                for s in range {
+                    // SAFETY: the CPU runs `read`'s instructions (`ways` checked).
+                    let x = unsafe { read(&buf[s * slice..(s + 1) * slice]) };
+                    sink.fetch_xor(x, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+            let dt = t.elapsed().as_secs_f64();
+            std::hint::black_box(sink.into_inner());
+            if round > 0 {
+                times[w].push(dt);
+            }
+        }
+    }
+    Ok(ways
+        .iter()
+        .zip(times)
+        .map(|(&(name, _), mut t)| {
+            t.sort_by(f64::total_cmp);
+            let rate = |dt: f64| BYTES as f64 / dt / 1e9;
+            Stream {
+                name,
+                gbps: rate(t[t.len() / 2]),
+                low: rate(t[t.len() - 1]),
+                high: rate(t[0]),
+            }
+        })
+        .collect())
+}
+
+/// 128-bit reads (SSE2 on x86_64, NEON on aarch64: the compiler's plain vector loop).
+unsafe fn read_narrow(s: &[u8]) -> u64 {
+    let mut acc = [0u64; 8];
+    for c in s.chunks_exact(64) {
+        for (a, w) in acc.iter_mut().zip(c.chunks_exact(8)) {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(w);
+            *a ^= u64::from_ne_bytes(b);
+        }
+    }
+    acc.iter().fold(0, |x, y| x ^ y)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// How far ahead `prefetch` asks for lines.
+    const AHEAD: usize = 4096;
+
+    macro_rules! reader {
+        ($name:ident, $feat:literal, $vec:ty, $load:ident, $xor:ident, $zero:ident, $fold:expr, $streams:literal, $pf:literal) => {
+            #[target_feature(enable = $feat)]
+            pub(super) unsafe fn $name(s: &[u8]) -> u64 {
+                const W: usize = std::mem::size_of::<$vec>();
+                const UNROLL: usize = 4;
+                let step = W * UNROLL;
+                let part = s.len() / $streams / step * step;
+                let mut acc = [[$zero(); UNROLL]; $streams];
+                let mut off = 0;
+                while off < part {
+                    for (k, a) in acc.iter_mut().enumerate() {
+                        let p = s.as_ptr().add(k * part + off);
+                        if $pf {
+                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD) as *const i8);
+                            if step > 64 {
+                                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD + 64) as *const i8);
+                            }
+                            if step > 128 {
+                                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD + 128) as *const i8);
+                                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD + 192) as *const i8);
+                            }
+                        }
+                        for (u, v) in a.iter_mut().enumerate() {
+                            *v = $xor(*v, $load(p.add(u * W) as *const _));
+                        }
+                    }
+                    off += step;
+                }
+                let mut x = $zero();
+                for a in acc.iter().flatten() {
+                    x = $xor(x, *a);
+                }
+                $fold(x)
+            }
+        };
+    }
+
+    #[inline(always)]
+    unsafe fn fold256(x: __m256i) -> u64 {
+        (_mm256_extract_epi64::<0>(x) ^ _mm256_extract_epi64::<3>(x)) as u64
+    }
+    #[inline(always)]
+    unsafe fn fold512(x: __m512i) -> u64 {
+        _mm512_reduce_or_epi64(x) as u64
+    }
+    #[inline(always)]
+    unsafe fn load256(p: *const __m256i) -> __m256i {
+        _mm256_load_si256(p)
+    }
+    #[inline(always)]
+    unsafe fn load256_nt(p: *const __m256i) -> __m256i {
+        _mm256_stream_load_si256(p)
+    }
+    #[inline(always)]
+    unsafe fn load512(p: *const __m512i) -> __m512i {
+        _mm512_load_si512(p as *const _)
+    }
+    #[inline(always)]
+    unsafe fn load512_nt(p: *const __m512i) -> __m512i {
+        _mm512_stream_load_si512(p as *const _)
+    }
+
+    reader!(
+        read_avx2,
+        "avx2",
+        __m256i,
+        load256,
+        _mm256_xor_si256,
+        _mm256_setzero_si256,
+        |x| fold256(x),
+        1,
+        false
+    );
+    reader!(
+        read_avx2_x4,
+        "avx2",
+        __m256i,
+        load256,
+        _mm256_xor_si256,
+        _mm256_setzero_si256,
+        |x| fold256(x),
+        4,
+        false
+    );
+    reader!(
+        read_avx2_prefetch,
+        "avx2",
+        __m256i,
+        load256,
+        _mm256_xor_si256,
+        _mm256_setzero_si256,
+        |x| fold256(x),
+        1,
+        true
+    );
+    reader!(
+        read_avx2_nt,
+        "avx2",
+        __m256i,
+        load256_nt,
+        _mm256_xor_si256,
+        _mm256_setzero_si256,
+        |x| fold256(x),
+        1,
+        false
+    );
+    reader!(
+        read_avx512,
+        "avx512f",
+        __m512i,
+        load512,
+        _mm512_xor_si512,
+        _mm512_setzero_si512,
+        |x| fold512(x),
+        1,
+        false
+    );
+    reader!(
+        read_avx512_x4,
+        "avx512f",
+        __m512i,
+        load512,
+        _mm512_xor_si512,
+        _mm512_setzero_si512,
+        |x| fold512(x),
+        4,
+        false
+    );
+    reader!(
+        read_avx512_prefetch,
+        "avx512f",
+        __m512i,
+        load512,
+        _mm512_xor_si512,
+        _mm512_setzero_si512,
+        |x| fold512(x),
+        1,
+        true
+    );
+    reader!(
+        read_avx512_nt,
+        "avx512f",
+        __m512i,
+        load512_nt,
+        _mm512_xor_si512,
+        _mm512_setzero_si512,
+        |x| fold512(x),
+        1,
+        false
+    );
+}
