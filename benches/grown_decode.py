@@ -8,7 +8,8 @@ same GGUF file, in one run.
         --llama-build ~/.cache/llama-bench/build-native-noamx/bin \\
         --llama-avx2-build ~/.cache/llama-bench/build-avx2/bin \\
         --llama-cpp-python /tmp/llama_cpp_python-0.3.36 \\
-        --file 24:bd/grown-0.6b-q4_k_m.gguf --file 12:bd/grown-8b-q4_k_m.gguf --out grown.json
+        --file 24:bd/grown-0.6b-q4_k_m.gguf --file 12:bd/grown-8b-q4_k_m.gguf --out grown.json \\
+        [--rounds 3] [--python /path/to/venv/bin/python]
 
 For each file (`N:PATH`: N questions, spread over the 200 so every kind is in) and each CPU path
 (native; AVX2: `REFUSION_CPU=avx2` against llama.cpp built for AVX2 only):
@@ -17,6 +18,10 @@ For each file (`N:PATH`: N questions, spread over the 200 so every kind is in) a
   decode of the same questions through llama-cpp-python over the build's own libllama (answer
   tokens/s over the whole decode, prompt included as in ours, and accuracy by
   train/corpus.py's `extract`).
+With `--rounds R` each round runs ReFusion's decode and llama-bench one after the other (llama.cpp's
+greedy decode, slower, in the first round only, unless `--greedy-every-round`), and the table
+gives each side's median over the rounds and the median and range of the rounds' own ratios: a
+VM's speed drifts by up to 30% between minutes, so one run decides nothing.
 Not part of CI: minutes to an hour on 2 cores. Needs llama-cpp-python's Python package only
 (its sdist's `llama_cpp` folder on PYTHONPATH, numpy, typing_extensions, diskcache, jinja2).
 """
@@ -24,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -60,7 +66,7 @@ def llama_bench(build, gguf, threads):
             "best": max(by_fa.values())}
 
 
-def llama_greedy(build, gguf, held, threads, pkg):
+def llama_greedy(build, gguf, held, threads, pkg, python=sys.executable):
     """Greedy decoding of the questions in a subprocess (the library is chosen by env)."""
     env = dict(os.environ, LLAMA_CPP_LIB_PATH=build, PYTHONPATH=pkg)
     code = r"""
@@ -78,7 +84,7 @@ for q in qs:
                 "text": r["choices"][0]["text"]})
 print(json.dumps(out))
 """
-    out = subprocess.run([sys.executable, "-c", code, gguf, str(threads)], env=env,
+    out = subprocess.run([python, "-c", code, gguf, str(threads)], env=env,
                          input=json.dumps([h["question"] for h in held]), capture_output=True,
                          text=True, check=True)
     answers = json.loads(out.stdout)
@@ -94,45 +100,77 @@ def main():
     ap.add_argument("--refusion", default=os.path.join(ROOT, "target/release/refusion"))
     ap.add_argument("--llama-build", required=True, help="folder with llama-bench and libllama.so")
     ap.add_argument("--llama-avx2-build", help="the same, built for AVX2 only")
-    ap.add_argument("--llama-cpp-python", required=True, help="folder holding the llama_cpp package")
+    ap.add_argument("--llama-cpp-python", help="folder holding the llama_cpp package")
     ap.add_argument("--file", action="append", required=True, help="N:PATH")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--greedy-every-round", action="store_true")
+    ap.add_argument("--no-greedy", action="store_true")
+    ap.add_argument("--python", default=sys.executable,
+                    help="the Python that runs llama-cpp-python (needs numpy, diskcache, jinja2)")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if not a.llama_cpp_python:
+        a.no_greedy = True
     held = json.load(open(os.path.join(ROOT, "models/refusion-tiny/heldout.json")))
     paths = [("native", a.llama_build, False)]
     if a.llama_avx2_build:
         paths.append(("avx2", a.llama_avx2_build, True))
     results = {"machine": platform.processor() or platform.machine(), "threads": a.threads,
-               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
-    for spec in a.file:
-        n, gguf = spec.split(":", 1)
-        qs = questions(held, int(n))
-        for path, build, avx2 in paths:
-            run = {"file": os.path.basename(gguf), "path": path, "prompts": len(qs)}
-            run["refusion"] = refusion_decode(a.refusion, gguf, len(qs), a.threads, avx2)
-            run["llama_bench"] = llama_bench(build, gguf, a.threads)
-            run["llama_greedy"] = llama_greedy(build, gguf, qs, a.threads, a.llama_cpp_python)
-            results["runs"].append(run)
-            print(json.dumps(run), flush=True)
+               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rounds": a.rounds, "runs": []}
+    runs = {}
+    for rnd in range(a.rounds):
+        for spec in a.file:
+            n, gguf = spec.split(":", 1)
+            qs = questions(held, int(n))
+            for path, build, avx2 in paths:
+                run = runs.setdefault((gguf, path), {"file": os.path.basename(gguf), "path": path,
+                                                     "prompts": len(qs), "rounds": []})
+                r = {"refusion": refusion_decode(a.refusion, gguf, len(qs), a.threads, avx2),
+                     "llama_bench": llama_bench(build, gguf, a.threads)}
+                if not a.no_greedy and (rnd == 0 or a.greedy_every_round):
+                    r["llama_greedy"] = llama_greedy(build, gguf, qs, a.threads,
+                                                     a.llama_cpp_python, a.python)
+                run["rounds"].append(r)
+                print(json.dumps({"round": rnd + 1, "file": run["file"], "path": path, **r}),
+                      flush=True)
+    results["runs"] = list(runs.values())
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
     print_table(results)
 
 
+def med(xs):
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
 def print_table(results):
+    print(f"{results['rounds']} round(s), each both sides one after the other; t/s: median over "
+          "the rounds; ratios: median of the rounds' own (range)")
     print("| file | path | setting | ReFusion t/s | TPF | acc | llama-bench tg128 (fa0 / fa1) | "
-          "vs tg128 | llama.cpp greedy t/s | acc | vs greedy |")
+          "vs tg128 (range) | llama.cpp greedy t/s | acc | vs greedy |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results["runs"]:
-        lb, g = r["llama_bench"], r["llama_greedy"]
-        for row in r["refusion"]:
-            print(f"| {r['file']} | {r['path']} | {row['test']} | {row['tokens_per_s']:.1f} | "
-                  f"{row['tpf']:.2f} | {100 * row['accuracy']:.0f}% | {lb['best']:.1f} "
-                  f"({lb['tg128_fa0']:.1f} / {lb['tg128_fa1']:.1f}) | "
-                  f"{row['tokens_per_s'] / lb['best']:.2f}x | {g['tokens_per_s']:.1f} | "
-                  f"{100 * g['accuracy']:.0f}% | {row['tokens_per_s'] / g['tokens_per_s']:.2f}x |")
+        rounds = r["rounds"]
+        greedy = [x["llama_greedy"] for x in rounds if "llama_greedy" in x]
+        g_ts = med(g["tokens_per_s"] for g in greedy)
+        g_acc = f"{100 * greedy[0]['accuracy']:.0f}%" if greedy else "-"
+        for i, row in enumerate(rounds[0]["refusion"]):
+            ours = [x["refusion"][i]["tokens_per_s"] for x in rounds]
+            best = [x["llama_bench"]["best"] for x in rounds]
+            ratios = [o / b for o, b in zip(ours, best)]
+            fa0 = med(x["llama_bench"]["tg128_fa0"] for x in rounds)
+            fa1 = med(x["llama_bench"]["tg128_fa1"] for x in rounds)
+            # The greedy rounds against ReFusion's rounds that ran beside them.
+            vs_g = [x["refusion"][i]["tokens_per_s"] / x["llama_greedy"]["tokens_per_s"]
+                    for x in rounds if "llama_greedy" in x]
+            print(f"| {r['file']} | {r['path']} | {row['test']} | {med(ours):.1f} | "
+                  f"{row['tpf']:.2f} | {100 * row['accuracy']:.0f}% | {med(best):.1f} "
+                  f"({fa0:.1f} / {fa1:.1f}) | **{med(ratios):.2f}x** ({min(ratios):.2f}-"
+                  f"{max(ratios):.2f}) | {g_ts:.1f} | {g_acc} | "
+                  + (f"{med(vs_g):.2f}x |" if vs_g else "- |"))
 
 
 if __name__ == "__main__":

@@ -296,11 +296,36 @@ pub fn check_env() -> Result<(), String> {
 
 /// The name of the path the model's quantized products take (`candle` when none of ours).
 pub fn path_name() -> &'static str {
-    if available() {
-        path().name()
-    } else {
+    if !available() {
         "candle"
+    } else if one_row_path() != path() {
+        "avx512 (one row: avx2)"
+    } else {
+        path().name()
     }
+}
+
+/// The path of one-row products (a one-token forward's, memory-bound): on AMD CPUs with the
+/// `avx512` path detected (not forced by `REFUSION_CPU`), the 256-bit `avx2` kernels, which
+/// stream the weights faster there (Zen 4 VM, 2026-12-04, `benches/cpu_paths.py` over five
+/// interleaved rounds: pp1 on the synthetic 0.6B Q8_0 file 40-53 t/s against 32-40 with
+/// 512-bit vectors; Zen 4 splits each 512-bit operation in two); everywhere else the path.
+/// Every path gives the same floats to the bit, so the choice never changes an answer.
+pub fn one_row_path() -> CpuPath {
+    use std::sync::OnceLock;
+    static ONE: OnceLock<CpuPath> = OnceLock::new();
+    *ONE.get_or_init(|| {
+        let p = path();
+        #[cfg(target_arch = "x86_64")]
+        if p == CpuPath::Avx512
+            && matches!(CpuPath::from_env(), Ok(None))
+            && cpu_is_amd()
+            && CpuPath::Avx2.runs()
+        {
+            return CpuPath::Avx2;
+        }
+        p
+    })
 }
 
 /// Whether this CPU runs these kernels (and they are not switched off).
@@ -472,7 +497,8 @@ thread_local! {
 /// `out[t][r] = sum_i x[t][i] * w[r][i]` for every weight in `ws` (all `k` wide), sharing one
 /// quantization of `x` (`m` rows of `k`). `outs[j]` holds `m x ws[j].rows` values.
 pub fn matmul_many(ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32]]) {
-    matmul_on(path(), ws, x, m, outs)
+    let path = if m == 1 { one_row_path() } else { path() };
+    matmul_on(path, ws, x, m, outs)
 }
 
 /// [`matmul_many`] on the kernels of `path`, which must be one the CPU runs (checked) other
