@@ -56,9 +56,9 @@ def refusion_decode(binary, gguf, n, threads, avx2):
     return rows
 
 
-def llama_bench(build, gguf, threads):
+def llama_bench(build, gguf, threads, reps=3):
     cmd = [os.path.join(build, "llama-bench"), "-m", gguf, "-p", "0", "-n", "128", "-fa", "0,1",
-           "-t", str(threads), "-r", "3", "-o", "json"]
+           "-t", str(threads), "-r", str(reps), "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     rows = json.loads(out.stdout)
     by_fa = {r["flash_attn"]: r["avg_ts"] for r in rows}
@@ -104,6 +104,7 @@ def main():
     ap.add_argument("--file", action="append", required=True, help="N:PATH")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--llama-reps", type=int, default=3, help="llama-bench's -r in each round")
     ap.add_argument("--greedy-every-round", action="store_true")
     ap.add_argument("--no-greedy", action="store_true")
     ap.add_argument("--python", default=sys.executable,
@@ -127,7 +128,7 @@ def main():
                 run = runs.setdefault((gguf, path), {"file": os.path.basename(gguf), "path": path,
                                                      "prompts": len(qs), "rounds": []})
                 r = {"refusion": refusion_decode(a.refusion, gguf, len(qs), a.threads, avx2),
-                     "llama_bench": llama_bench(build, gguf, a.threads)}
+                     "llama_bench": llama_bench(build, gguf, a.threads, a.llama_reps)}
                 if not a.no_greedy and (rnd == 0 or a.greedy_every_round):
                     r["llama_greedy"] = llama_greedy(build, gguf, qs, a.threads,
                                                      a.llama_cpp_python, a.python)

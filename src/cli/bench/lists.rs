@@ -14,12 +14,15 @@ struct Lists {
     threads: Vec<String>,
     rest: Vec<String>,
     format: String,
+    /// `--rounds`: every pair once per round, in turn (1: each pair's own output, as is).
+    rounds: usize,
 }
 
 /// Splits `bench`'s arguments (after the subcommand); `None` when there are no lists.
 fn parse(args: &[String]) -> Result<Option<Lists>> {
     let (mut models, mut threads, mut rest) = (Vec::new(), Vec::new(), Vec::new());
     let mut format = "md".to_string();
+    let mut rounds = 1;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let (flag, inline) = match arg.split_once('=') {
@@ -29,6 +32,15 @@ fn parse(args: &[String]) -> Result<Option<Lists>> {
         let target = match flag {
             "-m" | "--model" => &mut models,
             "-t" | "--threads" => &mut threads,
+            "--rounds" => {
+                let v = inline.or_else(|| it.next().cloned()).unwrap_or_default();
+                rounds = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&r| r > 0)
+                    .ok_or_else(|| anyhow::anyhow!("--rounds {v}: expected a number from 1"))?;
+                continue;
+            }
             "-o" | "--output" => {
                 let v = inline.or_else(|| it.next().cloned()).unwrap_or_default();
                 format = v.clone();
@@ -56,6 +68,7 @@ fn parse(args: &[String]) -> Result<Option<Lists>> {
         threads,
         rest,
         format,
+        rounds,
     }))
 }
 
@@ -108,6 +121,9 @@ fn run_all(l: &Lists) -> Result<i32> {
     } else {
         l.threads.iter().map(Some).collect()
     };
+    if l.rounds > 1 {
+        return run_rounds(l, &exe, &models, &threads);
+    }
     let json = l.format == "json";
     let mut objects = Vec::new();
     let mut first = true;
@@ -149,6 +165,141 @@ fn run_all(l: &Lists) -> Result<i32> {
     Ok(0)
 }
 
+/// With `--rounds`: every pair once per round, in turn, each as `-o json`; then one row per
+/// pair and test, the median round with the rounds' range, in the format asked for.
+fn run_rounds(
+    l: &Lists,
+    exe: &std::path::Path,
+    models: &[Option<&String>],
+    threads: &[Option<&String>],
+) -> Result<i32> {
+    // The children's own format flags are replaced by `-o json`.
+    let mut rest = Vec::new();
+    let mut it = l.rest.iter();
+    while let Some(a) = it.next() {
+        match a.split_once('=').map_or(a.as_str(), |(f, _)| f) {
+            "-o" | "--output" if !a.contains('=') => {
+                it.next();
+            }
+            "-o" | "--output" | "--json" => {}
+            _ => rest.push(a.clone()),
+        }
+    }
+    let pairs: Vec<(Option<&String>, Option<&String>)> = models
+        .iter()
+        .flat_map(|m| threads.iter().map(move |t| (*m, *t)))
+        .collect();
+    let mut got: Vec<Vec<Vec<serde_json::Value>>> = vec![Vec::new(); pairs.len()];
+    for _ in 0..l.rounds {
+        for (i, (m, t)) in pairs.iter().enumerate() {
+            let mut cmd = Command::new(exe);
+            cmd.arg("bench").args(&rest).args(["-o", "json"]);
+            if let Some(m) = m {
+                cmd.args(["-m", m]);
+            }
+            if let Some(t) = t {
+                cmd.args(["-t", t]);
+            }
+            cmd.stdout(Stdio::piped());
+            let out = cmd.output().context("cannot run bench")?;
+            if !out.status.success() {
+                return Ok(out.status.code().unwrap_or(1));
+            }
+            let rows: Vec<serde_json::Value> =
+                serde_json::from_slice(&out.stdout).context("a bench run printed no JSON array")?;
+            got[i].push(rows);
+        }
+    }
+    let rows: Vec<serde_json::Value> = got.into_iter().flat_map(median_rows).collect();
+    print_rows(&l.format, &rows);
+    Ok(0)
+}
+
+/// One pair's rounds (each an array of rows, one per test) as one row per test: the median
+/// round's, with `rounds` and the rounds' lowest and highest rates.
+fn median_rows(rounds: Vec<Vec<serde_json::Value>>) -> Vec<serde_json::Value> {
+    let tests = rounds.first().map_or(0, Vec::len);
+    let rate = |v: &serde_json::Value| v["tokens_per_s"].as_f64().unwrap_or(0.0);
+    (0..tests)
+        .filter_map(|t| {
+            let mut these: Vec<serde_json::Value> =
+                rounds.iter().filter_map(|r| r.get(t).cloned()).collect();
+            these.sort_by(|a, b| rate(a).total_cmp(&rate(b)));
+            let (low, high) = (rate(these.first()?), rate(these.last()?));
+            let n = these.len();
+            let mut row = these.swap_remove(n / 2);
+            row["rounds"] = n.into();
+            row["tokens_per_s_low"] = low.into();
+            row["tokens_per_s_high"] = high.into();
+            Some(row)
+        })
+        .collect()
+}
+
+/// Rows (bench's JSON objects) as `format` prints them.
+fn print_rows(format: &str, rows: &[serde_json::Value]) {
+    let s = |v: &serde_json::Value, k: &str| match &v[k] {
+        serde_json::Value::String(x) => x.clone(),
+        other => other.to_string(),
+    };
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(0.0);
+    match format {
+        "json" => println!("{}", serde_json::Value::Array(rows.to_vec())),
+        "jsonl" => rows.iter().for_each(|r| println!("{r}")),
+        "csv" => {
+            println!("model,size,params,backend,threads,kernels,test,n_tokens,prefix,tokens_per_s,stddev,ms_per_forward,rounds,tokens_per_s_low,tokens_per_s_high");
+            for r in rows {
+                println!(
+                    "\"{}\",{},{},{},{},{},{},{},{},{:.4},{:.4},{:.4},{},{:.4},{:.4}",
+                    s(r, "model"),
+                    s(r, "size"),
+                    s(r, "params"),
+                    s(r, "backend"),
+                    s(r, "threads"),
+                    s(r, "kernels"),
+                    s(r, "test"),
+                    s(r, "n_tokens"),
+                    s(r, "prefix"),
+                    f(r, "tokens_per_s"),
+                    f(r, "stddev"),
+                    f(r, "ms_per_forward"),
+                    s(r, "rounds"),
+                    f(r, "tokens_per_s_low"),
+                    f(r, "tokens_per_s_high"),
+                );
+            }
+        }
+        _ => {
+            println!("{}", super::TABLE_HEAD);
+            println!("{}", super::TABLE_RULE);
+            for r in rows {
+                let size = r["size"].as_u64().unwrap_or(0);
+                let params = r["params"].as_u64().unwrap_or(0) as f64;
+                let params = if params >= 1e9 {
+                    format!("{:.2} B", params / 1e9)
+                } else {
+                    format!("{:.2} M", params / 1e6)
+                };
+                println!(
+                    "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>15} | {:>20} |",
+                    s(r, "model"),
+                    refusion_convert::info::human_bytes(size),
+                    params,
+                    s(r, "backend"),
+                    s(r, "threads"),
+                    s(r, "test"),
+                    format!(
+                        "{:.2} ({:.2}-{:.2})",
+                        f(r, "tokens_per_s"),
+                        f(r, "tokens_per_s_low"),
+                        f(r, "tokens_per_s_high")
+                    ),
+                );
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,5 +323,21 @@ mod tests {
             .unwrap();
         assert_eq!(l.models, ["a.gguf", "b.gguf"]);
         assert_eq!(l.format, "jsonl");
+        let l = parse(&args("-m a.gguf,b.gguf --rounds 3 -p 1"))
+            .unwrap()
+            .unwrap();
+        assert_eq!((l.rounds, l.rest.clone()), (3, args("-p 1")));
+        assert!(parse(&args("-m a.gguf,b.gguf --rounds 0")).is_err());
+    }
+
+    #[test]
+    fn rounds_give_the_median_round_and_the_range() {
+        let round = |ts: f64| vec![serde_json::json!({"test": "pp1 @ d256", "tokens_per_s": ts})];
+        let rows = median_rows(vec![round(30.0), round(50.0), round(40.0)]);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0]["tokens_per_s"], 40.0);
+        assert_eq!(rows[0]["tokens_per_s_low"], 30.0);
+        assert_eq!(rows[0]["tokens_per_s_high"], 50.0);
+        assert_eq!(rows[0]["rounds"], 3);
     }
 }

@@ -39,6 +39,12 @@ pub struct BenchArgs {
     /// Timed repetitions per size (after one warm-up).
     #[arg(short = 'r', long, default_value_t = 5)]
     repetitions: usize,
+    /// Rounds: every test runs once per round, in turn (-r repetitions each), and each row
+    /// gives the median round and the rounds' range: a machine whose speed drifts between
+    /// minutes moves every test alike. With lists of models or thread counts (-m a,b / -t 1,2)
+    /// every pair runs once per round, in turn.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Generated tokens per test, comma-separated (llama-bench's `-n`): one-token forwards
     /// in sequence, each appended to the cache, as autoregressive decoding runs.
     #[arg(short = 'n', long = "n-gen", value_delimiter = ',')]
@@ -59,13 +65,13 @@ pub struct BenchArgs {
         num_args = 0..,
         default_missing_value = "card",
         value_name = "SETTINGS",
-        conflicts_with_all = ["n_tokens", "n_gen", "prefix", "repetitions"]
+        conflicts_with_all = ["n_tokens", "n_gen", "prefix", "repetitions", "rounds"]
     )]
     decode: Option<Vec<String>>,
     /// Measure what the cores can read from memory per second instead (no model): every way
     /// of reading, interleaved over -r rounds; the best is the anchor a one-token forward is
     /// set against (benches/README.md).
-    #[arg(long, conflicts_with_all = ["decode", "n_tokens", "n_gen", "prefix"])]
+    #[arg(long, conflicts_with_all = ["decode", "n_tokens", "n_gen", "prefix", "rounds"])]
     membw: bool,
     /// Prompts per --decode setting.
     #[arg(long, default_value_t = 24, requires = "decode")]
@@ -75,13 +81,22 @@ pub struct BenchArgs {
     no_header: bool,
 }
 
+/// The forward table's header, as llama-bench's.
+pub(super) const TABLE_HEAD: &str = "| model                          |       size |     params | backend       | threads |            test |                  t/s |";
+pub(super) const TABLE_RULE: &str = "| ------------------------------ | ---------: | ---------: | ------------- | ------: | --------------: | -------------------: |";
+
 /// One test's result.
+#[derive(Clone)]
 struct Row {
     test: String,
     n: usize,
     tokens_per_s: f64,
     sd: f64,
     ms_per_forward: f64,
+    /// With `--rounds`: how many, and the lowest and highest round's rate.
+    rounds: usize,
+    low: f64,
+    high: f64,
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
@@ -123,37 +138,52 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 human_bytes(loaded.file.file_len())
             );
         }
-        println!("| model                          |       size |     params | backend       | threads |            test |                  t/s |");
-        println!("| ------------------------------ | ---------: | ---------: | ------------- | ------: | --------------: | -------------------: |");
+        println!("{TABLE_HEAD}");
+        println!("{TABLE_RULE}");
     }
-    let mut rows = Vec::new();
-    let tests = a
+    let tests: Vec<(bool, usize)> = a
         .n_tokens
         .iter()
         .map(|&n| (false, n))
-        .chain(a.n_gen.iter().map(|&n| (true, n)));
-    for (gen, n) in tests {
-        let times = if gen {
-            time_generation(&loaded.model, cache, a.prefix, n, vocab, a.repetitions)?
-        } else {
-            time_prompt(&loaded.model, cache, a.prefix, n, vocab, a.repetitions)?
-        };
-        if table && rows.is_empty() {
-            if let Some(rss) = resident_bytes() {
-                eprintln!(
-                    "resident memory after the first forwards: {}",
-                    human_bytes(rss)
-                );
+        .chain(a.n_gen.iter().map(|&n| (true, n)))
+        .collect();
+    // With --rounds, every test runs once per round, in turn, so a machine whose speed
+    // drifts moves them all alike; a row is printed once its last round is done.
+    let mut per_round: Vec<Vec<Row>> = vec![Vec::new(); tests.len()];
+    let mut rows = Vec::new();
+    for round in 0..a.rounds {
+        for (i, &(gen, n)) in tests.iter().enumerate() {
+            let times = if gen {
+                time_generation(&loaded.model, cache, a.prefix, n, vocab, a.repetitions)?
+            } else {
+                time_prompt(&loaded.model, cache, a.prefix, n, vocab, a.repetitions)?
+            };
+            if table && round == 0 && i == 0 {
+                if let Some(rss) = resident_bytes() {
+                    eprintln!(
+                        "resident memory after the first forwards: {}",
+                        human_bytes(rss)
+                    );
+                }
             }
+            let kind = if gen { "tg" } else { "pp" };
+            per_round[i].push(summarize(
+                format!("{kind}{n} @ d{}", a.prefix),
+                n,
+                gen,
+                times,
+            ));
+            if round + 1 < a.rounds {
+                continue;
+            }
+            let row = over_rounds(std::mem::take(&mut per_round[i]));
+            match format {
+                "md" => println!("{}", line.table_row(&row)),
+                "jsonl" => println!("{}", line.json(&row, a.prefix)),
+                _ => {}
+            }
+            rows.push(row);
         }
-        let kind = if gen { "tg" } else { "pp" };
-        let row = summarize(format!("{kind}{n} @ d{}", a.prefix), n, gen, times);
-        match format {
-            "md" => println!("{}", line.table_row(&row)),
-            "jsonl" => println!("{}", line.json(&row, a.prefix)),
-            _ => {}
-        }
-        rows.push(row);
     }
     match format {
         "json" => {
@@ -240,6 +270,9 @@ impl BenchArgs {
     fn checked(mut self) -> Result<BenchArgs> {
         if self.repetitions == 0 {
             bail!("-r must be at least 1");
+        }
+        if self.rounds == 0 {
+            bail!("--rounds must be at least 1");
         }
         self.n_tokens.retain(|&n| n > 0);
         self.n_gen.retain(|&n| n > 0);
@@ -348,7 +381,11 @@ impl ModelLine {
             self.backend,
             self.threads,
             row.test,
-            format!("{:.2} ± {:.2}", row.tokens_per_s, row.sd),
+            if row.rounds > 1 {
+                format!("{:.2} ({:.2}-{:.2})", row.tokens_per_s, row.low, row.high)
+            } else {
+                format!("{:.2} ± {:.2}", row.tokens_per_s, row.sd)
+            },
         )
     }
 
@@ -364,6 +401,9 @@ impl ModelLine {
             "tokens_per_s": r.tokens_per_s,
             "stddev": r.sd,
             "ms_per_forward": r.ms_per_forward,
+            "rounds": r.rounds,
+            "tokens_per_s_low": r.low,
+            "tokens_per_s_high": r.high,
             "threads": self.threads,
             "backend": self.backend,
             "kernels": self.kernels,
@@ -460,7 +500,22 @@ fn summarize(test: String, n: usize, gen: bool, mut times: Vec<f64>) -> Row {
         tokens_per_s: rate,
         sd,
         ms_per_forward: median * 1e3 / forwards as f64,
+        rounds: 1,
+        low: rate,
+        high: rate,
     }
+}
+
+/// One row from a test's rounds: the median round (by rate) with every round's range.
+fn over_rounds(mut rounds: Vec<Row>) -> Row {
+    rounds.sort_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s));
+    let n = rounds.len();
+    let (low, high) = (rounds[0].tokens_per_s, rounds[n - 1].tokens_per_s);
+    let mut row = rounds.swap_remove(n / 2);
+    row.rounds = n;
+    row.low = low;
+    row.high = high;
+    row
 }
 
 /// Standard deviation over mean (0 for one value).
@@ -479,7 +534,20 @@ fn relative_spread(times: &[f64]) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::summarize;
+    use super::{over_rounds, summarize};
+
+    #[test]
+    fn rounds_keep_the_median_round_and_the_range() {
+        let rounds: Vec<_> = [0.020, 0.010, 0.040]
+            .iter()
+            .map(|&t| summarize("pp1".into(), 1, false, vec![t]))
+            .collect();
+        let r = over_rounds(rounds);
+        assert_eq!(
+            (r.rounds, r.tokens_per_s, r.low, r.high),
+            (3, 50.0, 25.0, 100.0)
+        );
+    }
 
     #[test]
     fn one_fast_outlier_does_not_make_the_spread_larger_than_the_rate() {
