@@ -73,7 +73,9 @@ def embd_bytes(path):
             dims = [u64() for _ in range(u32())]
             infos.append((name, dims, u32(), u64()))
         offs = sorted(o for _, _, _, o in infos)
-        end = os.path.getsize(path)
+        # Offsets count from the data section: the header's end, aligned (32 by default).
+        data = (f.tell() + 31) // 32 * 32
+        end = os.path.getsize(path) - data
         if not any(name == "output.weight" for name, _, _, _ in infos):
             return 0
         for name, _, _, off in infos:
@@ -130,6 +132,8 @@ def main():
     ap.add_argument("--paths", default="native,avx2,candle")
     ap.add_argument("--json")
     ARGS = a = ap.parse_args()
+    if a.rounds < 1 or a.reps < 1:
+        ap.error("--rounds and -r must be at least 1")
     sizes = [int(s) for s in a.sizes.split(",")]
     paths = a.paths.split(",")
     sides = {"native": ({}, a.llama_native), "avx2": ({"REFUSION_CPU": "avx2"}, a.llama_avx2),

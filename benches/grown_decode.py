@@ -111,6 +111,8 @@ def main():
                     help="the Python that runs llama-cpp-python (needs numpy, diskcache, jinja2)")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.rounds < 1 or a.llama_reps < 1:
+        ap.error("--rounds and --llama-reps must be at least 1")
     if not a.llama_cpp_python:
         a.no_greedy = True
     held = json.load(open(os.path.join(ROOT, "models/refusion-tiny/heldout.json")))

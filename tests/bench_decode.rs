@@ -95,3 +95,41 @@ fn decode_refuses_unknown_settings_and_forward_tests_by_name() {
     let o = run(&["bench", "-m", m, "--decode", "--prompts", "0"]);
     assert_fails_with(&o, &["--prompts"]);
 }
+
+/// `--rounds` gives each forward test's median round with its range; it means nothing to a
+/// decode or to `--membw` (refused by name, also with lists), and `--membw` takes no model.
+#[test]
+fn rounds_give_a_range_and_are_refused_where_they_mean_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let m = model.to_str().unwrap();
+    let o = run(&[
+        "bench", "-m", m, "-p", "4", "-d", "8", "-r", "1", "--rounds", "3", "-o", "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<Value> = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(rows.len(), 1);
+    let r = &rows[0];
+    assert_eq!(r["rounds"], 3);
+    let (lo, mid, hi) = (
+        r["tokens_per_s_low"].as_f64().unwrap(),
+        r["tokens_per_s"].as_f64().unwrap(),
+        r["tokens_per_s_high"].as_f64().unwrap(),
+    );
+    assert!(lo <= mid && mid <= hi && lo > 0.0, "{r}");
+    let o = run(&["bench", "-m", m, "--decode", "--rounds", "2"]);
+    assert_fails_with(&o, &["--decode", "--rounds"]);
+    let o = run(&[
+        "bench",
+        "-m",
+        &format!("{m},{m}"),
+        "--decode",
+        "--rounds",
+        "2",
+    ]);
+    assert_fails_with(&o, &["--rounds cannot be used with --decode"]);
+    let o = run(&["bench", "--membw", "-m", m]);
+    assert_fails_with(&o, &["--membw"]);
+    let o = run(&["bench", "--membw", "--rounds", "2"]);
+    assert_fails_with(&o, &["--membw", "--rounds"]);
+}

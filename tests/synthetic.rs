@@ -164,6 +164,30 @@ fn every_kernel_path_gives_the_same_answer() {
     assert!(stderr(&o).contains("(kernels: candle)"), "{}", stderr(&o));
     let o = generate_on(&out, "sse9");
     assert_fails_with(&o, &["REFUSION_CPU=sse9: unknown kernel path"]);
+    // The default path (on AMD, one-row products on the 256-bit kernels) gives the same
+    // tokens as every forced one; a bad prefetch distance is refused in one line.
+    use refusion::model::kquants::CpuPath;
+    let default = generate_on(&out, "");
+    assert!(default.status.success(), "{}", stderr(&default));
+    let forced = generate_on(&out, CpuPath::detect().name());
+    let tokens = |o: &std::process::Output| {
+        serde_json::from_str::<serde_json::Value>(&stdout(o)).unwrap()["tokens"].clone()
+    };
+    assert_eq!(tokens(&default), tokens(&forced));
+    let o = std::process::Command::new(bin())
+        .env("REFUSION_PREFETCH", "far")
+        .args([
+            "generate",
+            "-m",
+            out.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2",
+            "-n",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    assert_fails_with(&o, &["REFUSION_PREFETCH=far: expected a number of tiles"]);
 }
 
 /// 16 tokens from `file` with `REFUSION_CPU=path`.

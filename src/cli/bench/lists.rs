@@ -9,6 +9,7 @@ use std::process::{Command, Stdio};
 use anyhow::{bail, Context, Result};
 
 /// The flags that take lists here, and the rest of the command line.
+#[derive(Debug)]
 struct Lists {
     models: Vec<String>,
     threads: Vec<String>,
@@ -29,6 +30,15 @@ fn parse(args: &[String]) -> Result<Option<Lists>> {
             Some((f, v)) if f.starts_with('-') => (f, Some(v.to_string())),
             _ => (arg.as_str(), None),
         };
+        // A joined short flag (`-ojson`) is the format too.
+        if let Some(v) = flag
+            .strip_prefix("-o")
+            .filter(|v| !v.is_empty() && !flag.starts_with("--"))
+        {
+            format = v.to_string();
+            rest.extend(["-o".to_string(), v.to_string()]);
+            continue;
+        }
         let target = match flag {
             "-m" | "--model" => &mut models,
             "-t" | "--threads" => &mut threads,
@@ -62,6 +72,14 @@ fn parse(args: &[String]) -> Result<Option<Lists>> {
     }
     if models.len() <= 1 && threads.len() <= 1 {
         return Ok(None);
+    }
+    if rounds > 1 {
+        if let Some(f) = rest
+            .iter()
+            .find(|a| ["--membw", "--decode"].contains(&a.split('=').next().unwrap_or(a)))
+        {
+            bail!("--rounds cannot be used with {f} (each run of those is its own measure)");
+        }
     }
     Ok(Some(Lists {
         models,
@@ -328,6 +346,17 @@ mod tests {
             .unwrap();
         assert_eq!((l.rounds, l.rest.clone()), (3, args("-p 1")));
         assert!(parse(&args("-m a.gguf,b.gguf --rounds 0")).is_err());
+        let e = parse(&args("-m a.gguf,b.gguf --rounds 2 --decode card")).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("--rounds cannot be used with --decode"),
+            "{e}"
+        );
+        let l = parse(&args("-m a.gguf,b.gguf -ojson")).unwrap().unwrap();
+        assert_eq!(
+            (l.format.as_str(), l.rest.clone()),
+            ("json", args("-o json"))
+        );
     }
 
     #[test]

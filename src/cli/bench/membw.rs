@@ -163,7 +163,11 @@ mod x86 {
 
     #[inline(always)]
     unsafe fn fold256(x: __m256i) -> u64 {
-        (_mm256_extract_epi64::<0>(x) ^ _mm256_extract_epi64::<3>(x)) as u64
+        // Every lane, so no load can be narrowed to the lanes used.
+        (_mm256_extract_epi64::<0>(x)
+            ^ _mm256_extract_epi64::<1>(x)
+            ^ _mm256_extract_epi64::<2>(x)
+            ^ _mm256_extract_epi64::<3>(x)) as u64
     }
     #[inline(always)]
     unsafe fn fold512(x: __m512i) -> u64 {

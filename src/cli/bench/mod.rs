@@ -71,7 +71,7 @@ pub struct BenchArgs {
     /// Measure what the cores can read from memory per second instead (no model): every way
     /// of reading, interleaved over -r rounds; the best is the anchor a one-token forward is
     /// set against (benches/README.md).
-    #[arg(long, conflicts_with_all = ["decode", "n_tokens", "n_gen", "prefix", "rounds"])]
+    #[arg(long, conflicts_with_all = ["decode", "n_tokens", "n_gen", "prefix", "rounds", "model", "model_arg"])]
     membw: bool,
     /// Prompts per --decode setting.
     #[arg(long, default_value_t = 24, requires = "decode")]

@@ -239,6 +239,7 @@ mod x86 {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&a.fsum32), bits(&b.fsum32));
             assert_eq!(a.q6k_start, b.q6k_start);
+            assert_eq!(a.q8_0_start, b.q8_0_start);
             assert_eq!(a.d.to_bits(), b.d.to_bits());
         }
 

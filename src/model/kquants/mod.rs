@@ -89,19 +89,27 @@ pub fn prefetch_tiles() -> usize {
     if chosen != usize::MAX {
         return chosen;
     }
-    let n = std::env::var("REFUSION_PREFETCH")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|&n| n <= 64)
-        .unwrap_or_else(|| if cpu_is_amd() { 2 } else { PREFETCH_TILES });
+    let n = prefetch_from_env().ok().flatten().unwrap_or_else(|| {
+        if cpu_is_amd() {
+            2
+        } else {
+            PREFETCH_TILES
+        }
+    });
     PF_TILES.store(n, Ordering::Relaxed);
     n
 }
 
-/// The prefetch distance in tiles (the NEON kernels' is fixed).
+/// The prefetch distance in tiles (the NEON kernels' is fixed; `REFUSION_PREFETCH` is x86's).
 #[cfg(target_arch = "aarch64")]
 pub fn prefetch_tiles() -> usize {
     PREFETCH_TILES
+}
+
+/// No prefetch (no kernels of ours on this architecture).
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+pub fn prefetch_tiles() -> usize {
+    0
 }
 
 /// Whether the CPU's vendor string is AMD's.
@@ -291,7 +299,22 @@ pub fn path() -> CpuPath {
 
 /// Checks `REFUSION_CPU`: one line naming the problem when it is unknown or unavailable.
 pub fn check_env() -> Result<(), String> {
-    CpuPath::from_env().map(|_| ())
+    CpuPath::from_env()?;
+    prefetch_from_env().map(|_| ())
+}
+
+/// `REFUSION_PREFETCH`, when set: a number of tiles from 0 to 64, or one line naming the problem.
+fn prefetch_from_env() -> Result<Option<usize>, String> {
+    let Some(v) = std::env::var_os("REFUSION_PREFETCH") else {
+        return Ok(None);
+    };
+    let v = v.to_string_lossy();
+    match v.trim().parse::<usize>() {
+        Ok(n) if n <= 64 => Ok(Some(n)),
+        _ => Err(format!(
+            "REFUSION_PREFETCH={v}: expected a number of tiles to prefetch ahead, from 0 to 64"
+        )),
+    }
 }
 
 /// The name of the path the model's quantized products take (`candle` when none of ours).
