@@ -5,7 +5,7 @@
 //! (`benches/membw.py`) read below what both llama.cpp and refusion reach on the Zen 4 VM, and
 //! STREAM's copy mixes writes in. Each way of reading is timed over a buffer far larger than the
 //! last-level cache, split over the same worker pool the kernels use (`-t`):
-//! - `sse2`: 128-bit loads, one stream per thread (what a plain loop compiles to);
+//! - `sse2` (`neon` on ARM): 128-bit loads, one stream per thread (what a plain loop compiles to);
 //! - `avx2`, `avx512`: 256- and 512-bit loads, one stream per thread;
 //! - `x4`: the widest loads, four streams per thread (four places in its share, in turn);
 //! - `prefetch`: the widest loads with the kernels' software prefetch, 4 KiB ahead;
@@ -35,25 +35,16 @@ type ReadFn = unsafe fn(&[u8]) -> u64;
 
 /// The ways of reading this CPU can run.
 fn ways() -> Vec<(&'static str, ReadFn)> {
-    let mut v: Vec<(&'static str, ReadFn)> = vec![("sse2", read_narrow)];
+    // 128-bit loads: SSE2 on x86_64, NEON on aarch64.
+    let narrow: (&'static str, ReadFn) = if cfg!(target_arch = "aarch64") {
+        ("neon", read_narrow)
+    } else {
+        ("sse2", read_narrow)
+    };
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx2") {
-            v.push(("avx2", x86::read_avx2));
-        }
-        let wide512 = std::arch::is_x86_feature_detected!("avx512f");
-        if wide512 {
-            v.push(("avx512", x86::read_avx512));
-            v.push(("x4", x86::read_avx512_x4));
-            v.push(("prefetch", x86::read_avx512_prefetch));
-            v.push(("nt", x86::read_avx512_nt));
-        } else if std::arch::is_x86_feature_detected!("avx2") {
-            v.push(("x4", x86::read_avx2_x4));
-            v.push(("prefetch", x86::read_avx2_prefetch));
-            v.push(("nt", x86::read_avx2_nt));
-        }
-    }
-    v
+    return x86::ways(narrow);
+    #[cfg(not(target_arch = "x86_64"))]
+    vec![narrow]
 }
 
 /// Times every way over `rounds` rounds, interleaved (each round reads once with every way, so
@@ -119,6 +110,28 @@ unsafe fn read_narrow(s: &[u8]) -> u64 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
+
+    /// `narrow`, then the wider ways this CPU runs.
+    pub(super) fn ways(
+        narrow: (&'static str, super::ReadFn),
+    ) -> Vec<(&'static str, super::ReadFn)> {
+        let mut v = vec![narrow];
+        let avx2 = std::arch::is_x86_feature_detected!("avx2");
+        if avx2 {
+            v.push(("avx2", read_avx2 as super::ReadFn));
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            v.push(("avx512", read_avx512));
+            v.push(("x4", read_avx512_x4));
+            v.push(("prefetch", read_avx512_prefetch));
+            v.push(("nt", read_avx512_nt));
+        } else if avx2 {
+            v.push(("x4", read_avx2_x4));
+            v.push(("prefetch", read_avx2_prefetch));
+            v.push(("nt", read_avx2_nt));
+        }
+        v
+    }
 
     /// How far ahead `prefetch` asks for lines.
     const AHEAD: usize = 4096;
