@@ -827,10 +827,8 @@ mod tests {
         TextPiece::Gap(GapSize::most(max))
     }
 
-    #[test]
-    fn healing_takes_the_tokens_next_to_a_fitted_gap() {
-        let v = vocab();
-        // "We add." | gap | "\nThe answer"
+    /// "We add." | a gap of at most 5 | "\nThe answer", healed on both sides.
+    fn healed_template(v: &Vocab) -> Template {
         let pieces = [
             TextPiece::Text("a".into()),
             fit(5),
@@ -843,7 +841,13 @@ mod tests {
                 vec![4, 5, 6]
             }
         };
-        let t = Template::from_text(&pieces, |s| Ok::<_, ()>(ids(s)), Some(&v)).unwrap();
+        Template::from_text(&pieces, |s| Ok::<_, ()>(ids(s)), Some(v)).unwrap()
+    }
+
+    #[test]
+    fn healing_takes_the_tokens_next_to_a_fitted_gap() {
+        let v = vocab();
+        let t = healed_template(&v);
         let Piece::Fit(f) = &t.pieces[1] else {
             panic!("{t:?}")
         };
@@ -917,21 +921,10 @@ mod tests {
     #[test]
     fn a_fitted_fill_is_stitched_with_its_healed_edges() {
         let v = vocab();
-        let pieces = [
-            TextPiece::Text("a".into()),
-            fit(5),
-            TextPiece::Text("b".into()),
-        ];
-        let ids = |t: &str| {
-            if t == "a" {
-                vec![0, 1, 2]
-            } else {
-                vec![4, 5, 6]
-            }
-        };
-        let t = Template::from_text(&pieces, |s| Ok::<_, ()>(ids(s)), Some(&v)).unwrap();
+        let t = healed_template(&v);
         // The gap (7 tokens, 2 slots of 4) at 12..20, the span at 20.. : the fill writes
-        // ". The answer" hmm: ".", " add", ".\n" then the span again.
+        // The fill writes ".\n add.\n" and then the span's "The answer" again: its first
+        // ".\n" stands for the healed "." (skipped), its last for the healed "\n" (trimmed).
         let toks = [3, 1, 3, 5, 6, 0, 0, 0];
         let pos: Vec<u32> = (12..20).collect();
         let f = Filled::stitch(&t, 10, 4, &toks, &pos, 99);

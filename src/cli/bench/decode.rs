@@ -332,7 +332,7 @@ impl ModelLine {
             "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>29} | {:>15} | {:>6.2} | {:>7.1} | {:>11} | {:>5} |",
             self.model,
             human_bytes(self.size),
-            self.params_text(),
+            super::params_text(self.params),
             self.backend,
             self.threads,
             r.label,

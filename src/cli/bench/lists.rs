@@ -256,64 +256,18 @@ fn median_rows(rounds: Vec<Vec<serde_json::Value>>) -> Vec<serde_json::Value> {
 
 /// Rows (bench's JSON objects) as `format` prints them.
 fn print_rows(format: &str, rows: &[serde_json::Value]) {
-    let s = |v: &serde_json::Value, k: &str| match &v[k] {
-        serde_json::Value::String(x) => x.clone(),
-        other => other.to_string(),
-    };
-    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(0.0);
     match format {
         "json" => println!("{}", serde_json::Value::Array(rows.to_vec())),
         "jsonl" => rows.iter().for_each(|r| println!("{r}")),
         "csv" => {
-            println!("model,size,params,backend,threads,kernels,test,n_tokens,prefix,tokens_per_s,stddev,ms_per_forward,rounds,tokens_per_s_low,tokens_per_s_high");
-            for r in rows {
-                println!(
-                    "\"{}\",{},{},{},{},{},{},{},{},{:.4},{:.4},{:.4},{},{:.4},{:.4}",
-                    s(r, "model"),
-                    s(r, "size"),
-                    s(r, "params"),
-                    s(r, "backend"),
-                    s(r, "threads"),
-                    s(r, "kernels"),
-                    s(r, "test"),
-                    s(r, "n_tokens"),
-                    s(r, "prefix"),
-                    f(r, "tokens_per_s"),
-                    f(r, "stddev"),
-                    f(r, "ms_per_forward"),
-                    s(r, "rounds"),
-                    f(r, "tokens_per_s_low"),
-                    f(r, "tokens_per_s_high"),
-                );
-            }
+            println!("{}", super::CSV_HEAD);
+            rows.iter().for_each(|r| println!("{}", super::csv_row(r)));
         }
         _ => {
             println!("{}", super::TABLE_HEAD);
             println!("{}", super::TABLE_RULE);
-            for r in rows {
-                let size = r["size"].as_u64().unwrap_or(0);
-                let params = r["params"].as_u64().unwrap_or(0) as f64;
-                let params = if params >= 1e9 {
-                    format!("{:.2} B", params / 1e9)
-                } else {
-                    format!("{:.2} M", params / 1e6)
-                };
-                println!(
-                    "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>15} | {:>20} |",
-                    s(r, "model"),
-                    refusion_convert::info::human_bytes(size),
-                    params,
-                    s(r, "backend"),
-                    s(r, "threads"),
-                    s(r, "test"),
-                    format!(
-                        "{:.2} ({:.2}-{:.2})",
-                        f(r, "tokens_per_s"),
-                        f(r, "tokens_per_s_low"),
-                        f(r, "tokens_per_s_high")
-                    ),
-                );
-            }
+            rows.iter()
+                .for_each(|r| println!("{}", super::table_row(r)));
         }
     }
 }

@@ -111,24 +111,24 @@ unsafe fn read_narrow(s: &[u8]) -> u64 {
 mod x86 {
     use std::arch::x86_64::*;
 
+    type ReadFn = super::ReadFn;
+
     /// `narrow`, then the wider ways this CPU runs.
-    pub(super) fn ways(
-        narrow: (&'static str, super::ReadFn),
-    ) -> Vec<(&'static str, super::ReadFn)> {
+    pub(super) fn ways(narrow: (&'static str, ReadFn)) -> Vec<(&'static str, ReadFn)> {
         let mut v = vec![narrow];
         let avx2 = std::arch::is_x86_feature_detected!("avx2");
         if avx2 {
-            v.push(("avx2", read_avx2 as super::ReadFn));
+            v.push(("avx2", read256::<1, false, false> as ReadFn));
         }
         if std::arch::is_x86_feature_detected!("avx512f") {
-            v.push(("avx512", read_avx512));
-            v.push(("x4", read_avx512_x4));
-            v.push(("prefetch", read_avx512_prefetch));
-            v.push(("nt", read_avx512_nt));
+            v.push(("avx512", read512::<1, false, false>));
+            v.push(("x4", read512::<4, false, false>));
+            v.push(("prefetch", read512::<1, true, false>));
+            v.push(("nt", read512::<1, false, true>));
         } else if avx2 {
-            v.push(("x4", read_avx2_x4));
-            v.push(("prefetch", read_avx2_prefetch));
-            v.push(("nt", read_avx2_nt));
+            v.push(("x4", read256::<4, false, false>));
+            v.push(("prefetch", read256::<1, true, false>));
+            v.push(("nt", read256::<1, false, true>));
         }
         v
     }
@@ -136,31 +136,32 @@ mod x86 {
     /// How far ahead `prefetch` asks for lines.
     const AHEAD: usize = 4096;
 
+    /// A reader of one vector width: `STREAMS` places in the slice read in turn, 4 vectors at
+    /// a time each, with the software prefetch (`PF`) or non-temporal loads (`NT`); the
+    /// vectors are xor-folded into the result so no load is dropped.
     macro_rules! reader {
-        ($name:ident, $feat:literal, $vec:ty, $load:ident, $xor:ident, $zero:ident, $fold:expr, $streams:literal, $pf:literal) => {
+        ($name:ident, $feat:literal, $vec:ty, $load:ident, $load_nt:ident, $xor:ident, $zero:ident, $fold:ident) => {
             #[target_feature(enable = $feat)]
-            pub(super) unsafe fn $name(s: &[u8]) -> u64 {
+            unsafe fn $name<const STREAMS: usize, const PF: bool, const NT: bool>(s: &[u8]) -> u64 {
                 const W: usize = std::mem::size_of::<$vec>();
                 const UNROLL: usize = 4;
                 let step = W * UNROLL;
-                let part = s.len() / $streams / step * step;
-                let mut acc = [[$zero(); UNROLL]; $streams];
+                let part = s.len() / STREAMS / step * step;
+                let mut acc = [[$zero(); UNROLL]; STREAMS];
                 let mut off = 0;
                 while off < part {
                     for (k, a) in acc.iter_mut().enumerate() {
                         let p = s.as_ptr().add(k * part + off);
-                        if $pf {
-                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD) as *const i8);
-                            if step > 64 {
-                                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD + 64) as *const i8);
-                            }
-                            if step > 128 {
-                                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD + 128) as *const i8);
-                                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD + 192) as *const i8);
+                        if PF {
+                            for line in (0..step).step_by(64) {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    p.wrapping_add(AHEAD + line) as *const i8
+                                );
                             }
                         }
                         for (u, v) in a.iter_mut().enumerate() {
-                            *v = $xor(*v, $load(p.add(u * W) as *const _));
+                            let at = p.add(u * W) as *const $vec;
+                            *v = $xor(*v, if NT { $load_nt(at) } else { $load(at) });
                         }
                     }
                     off += step;
@@ -204,91 +205,23 @@ mod x86 {
     }
 
     reader!(
-        read_avx2,
+        read256,
         "avx2",
         __m256i,
         load256,
-        _mm256_xor_si256,
-        _mm256_setzero_si256,
-        |x| fold256(x),
-        1,
-        false
-    );
-    reader!(
-        read_avx2_x4,
-        "avx2",
-        __m256i,
-        load256,
-        _mm256_xor_si256,
-        _mm256_setzero_si256,
-        |x| fold256(x),
-        4,
-        false
-    );
-    reader!(
-        read_avx2_prefetch,
-        "avx2",
-        __m256i,
-        load256,
-        _mm256_xor_si256,
-        _mm256_setzero_si256,
-        |x| fold256(x),
-        1,
-        true
-    );
-    reader!(
-        read_avx2_nt,
-        "avx2",
-        __m256i,
         load256_nt,
         _mm256_xor_si256,
         _mm256_setzero_si256,
-        |x| fold256(x),
-        1,
-        false
+        fold256
     );
     reader!(
-        read_avx512,
+        read512,
         "avx512f",
         __m512i,
         load512,
-        _mm512_xor_si512,
-        _mm512_setzero_si512,
-        |x| fold512(x),
-        1,
-        false
-    );
-    reader!(
-        read_avx512_x4,
-        "avx512f",
-        __m512i,
-        load512,
-        _mm512_xor_si512,
-        _mm512_setzero_si512,
-        |x| fold512(x),
-        4,
-        false
-    );
-    reader!(
-        read_avx512_prefetch,
-        "avx512f",
-        __m512i,
-        load512,
-        _mm512_xor_si512,
-        _mm512_setzero_si512,
-        |x| fold512(x),
-        1,
-        true
-    );
-    reader!(
-        read_avx512_nt,
-        "avx512f",
-        __m512i,
         load512_nt,
         _mm512_xor_si512,
         _mm512_setzero_si512,
-        |x| fold512(x),
-        1,
-        false
+        fold512
     );
 }

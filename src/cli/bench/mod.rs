@@ -176,31 +176,98 @@ pub fn run(a: BenchArgs) -> Result<()> {
             if round + 1 < a.rounds {
                 continue;
             }
-            let row = over_rounds(std::mem::take(&mut per_round[i]));
+            let row = line.json(&over_rounds(std::mem::take(&mut per_round[i])), a.prefix);
             match format {
-                "md" => println!("{}", line.table_row(&row)),
-                "jsonl" => println!("{}", line.json(&row, a.prefix)),
+                "md" => println!("{}", table_row(&row)),
+                "jsonl" => println!("{row}"),
                 _ => {}
             }
             rows.push(row);
         }
     }
     match format {
-        "json" => {
-            let all: Vec<_> = rows.iter().map(|r| line.json(r, a.prefix)).collect();
-            println!("{}", serde_json::Value::Array(all));
-        }
+        "json" => println!("{}", serde_json::Value::Array(rows)),
         "csv" => {
             if !a.no_header {
-                println!("model,size,params,backend,threads,kernels,test,n_tokens,prefix,tokens_per_s,stddev,ms_per_forward");
+                println!("{CSV_HEAD}");
             }
             for r in &rows {
-                println!("{}", line.csv(r, a.prefix));
+                println!("{}", csv_row(r));
             }
         }
         _ => {}
     }
     Ok(())
+}
+
+/// The CSV header of forward tests.
+pub(super) const CSV_HEAD: &str = "model,size,params,backend,threads,kernels,test,n_tokens,prefix,tokens_per_s,stddev,ms_per_forward,rounds,tokens_per_s_low,tokens_per_s_high";
+
+/// A forward test (its JSON object, [`ModelLine::json`]) as a row of llama-bench's table: the
+/// median round and the range with `--rounds`, else the rate and its spread.
+pub(super) fn table_row(v: &serde_json::Value) -> String {
+    let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+    let params = params_text(v["params"].as_u64().unwrap_or(0));
+    let rate = if v["rounds"].as_u64().unwrap_or(1) > 1 {
+        format!(
+            "{:.2} ({:.2}-{:.2})",
+            f("tokens_per_s"),
+            f("tokens_per_s_low"),
+            f("tokens_per_s_high")
+        )
+    } else {
+        format!("{:.2} ± {:.2}", f("tokens_per_s"), f("stddev"))
+    };
+    format!(
+        "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>15} | {:>20} |",
+        text(v, "model"),
+        human_bytes(v["size"].as_u64().unwrap_or(0)),
+        params,
+        text(v, "backend"),
+        text(v, "threads"),
+        text(v, "test"),
+        rate,
+    )
+}
+
+/// A forward test (its JSON object) as a CSV row under [`CSV_HEAD`].
+pub(super) fn csv_row(v: &serde_json::Value) -> String {
+    let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+    format!(
+        "\"{}\",{},{},{},{},{},{},{},{},{:.4},{:.4},{:.4},{},{:.4},{:.4}",
+        text(v, "model"),
+        text(v, "size"),
+        text(v, "params"),
+        text(v, "backend"),
+        text(v, "threads"),
+        text(v, "kernels"),
+        text(v, "test"),
+        text(v, "n_tokens"),
+        text(v, "prefix"),
+        f("tokens_per_s"),
+        f("stddev"),
+        f("ms_per_forward"),
+        text(v, "rounds"),
+        f("tokens_per_s_low"),
+        f("tokens_per_s_high"),
+    )
+}
+
+/// A parameter count as llama-bench writes it (`595.78 M`, `8.19 B`).
+fn params_text(params: u64) -> String {
+    if params >= 1_000_000_000 {
+        format!("{:.2} B", params as f64 / 1e9)
+    } else {
+        format!("{:.2} M", params as f64 / 1e6)
+    }
+}
+
+/// A JSON field as text (strings without their quotes).
+fn text(v: &serde_json::Value, k: &str) -> String {
+    match &v[k] {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
 }
 
 /// `--membw`: the table of the ways of reading, the best one marked.
@@ -363,32 +430,6 @@ impl ModelLine {
         }
     }
 
-    fn params_text(&self) -> String {
-        if self.params >= 1_000_000_000 {
-            format!("{:.2} B", self.params as f64 / 1e9)
-        } else {
-            format!("{:.2} M", self.params as f64 / 1e6)
-        }
-    }
-
-    fn table_row(&self, row: &Row) -> String {
-        let params = self.params_text();
-        format!(
-            "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>15} | {:>20} |",
-            self.model,
-            human_bytes(self.size),
-            params,
-            self.backend,
-            self.threads,
-            row.test,
-            if row.rounds > 1 {
-                format!("{:.2} ({:.2}-{:.2})", row.tokens_per_s, row.low, row.high)
-            } else {
-                format!("{:.2} ± {:.2}", row.tokens_per_s, row.sd)
-            },
-        )
-    }
-
     /// A forward test as JSON, with the model columns CSV has (llama-bench's JSON has them).
     fn json(&self, r: &Row, prefix: usize) -> serde_json::Value {
         serde_json::json!({
@@ -409,24 +450,6 @@ impl ModelLine {
             "kernels": self.kernels,
             "prefetch_tiles": crate::model::kquants::prefetch_tiles(),
         })
-    }
-
-    fn csv(&self, r: &Row, prefix: usize) -> String {
-        format!(
-            "\"{}\",{},{},{},{},{},{},{},{},{:.4},{:.4},{:.4}",
-            self.model,
-            self.size,
-            self.params,
-            self.backend,
-            self.threads,
-            self.kernels,
-            r.test,
-            r.n,
-            prefix,
-            r.tokens_per_s,
-            r.sd,
-            r.ms_per_forward
-        )
     }
 }
 

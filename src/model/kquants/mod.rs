@@ -52,7 +52,7 @@ use tiles::Packed;
 #[inline(always)]
 unsafe fn prefetch_part(tile: *const u8, tile_bytes: usize, part: usize, parts: usize) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let pf = pf_tiles();
+    let pf = prefetch_tiles();
     if pf == 0 {
         return;
     }
@@ -68,27 +68,25 @@ unsafe fn prefetch_part(tile: *const u8, tile_bytes: usize, part: usize, parts: 
 #[cfg(target_arch = "x86_64")]
 static PF_TILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
 
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn pf_tiles() -> usize {
-    match PF_TILES.load(std::sync::atomic::Ordering::Relaxed) {
-        usize::MAX => prefetch_tiles(),
-        n => n,
-    }
-}
-
 /// How many tiles ahead the x86 kernels prefetch: `REFUSION_PREFETCH` (0 switches it off),
 /// else by CPU vendor. Measured with `kquants::tests::prefetch_distance` (a matrix 32x the
 /// last-level cache, 1-4 activation rows, the distances alternated call by call): on the Zen
 /// 4 VM, 2 tiles ahead streams 5-10% more than 4 (Q4_K at one row 24.2 against 22.9 GB/s,
 /// Q6_K 21.4 against 19.5; none 16-20); the Intel VMs were tuned at 4.
 #[cfg(target_arch = "x86_64")]
+#[inline(always)]
 pub fn prefetch_tiles() -> usize {
     use std::sync::atomic::Ordering;
-    let chosen = PF_TILES.load(Ordering::Relaxed);
-    if chosen != usize::MAX {
-        return chosen;
+    match PF_TILES.load(Ordering::Relaxed) {
+        usize::MAX => choose_prefetch_tiles(),
+        n => n,
     }
+}
+
+/// The first call's choice, kept in [`PF_TILES`].
+#[cfg(target_arch = "x86_64")]
+#[cold]
+fn choose_prefetch_tiles() -> usize {
     let n = prefetch_from_env().ok().flatten().unwrap_or_else(|| {
         if cpu_is_amd() {
             2
@@ -96,7 +94,7 @@ pub fn prefetch_tiles() -> usize {
             PREFETCH_TILES
         }
     });
-    PF_TILES.store(n, Ordering::Relaxed);
+    PF_TILES.store(n, std::sync::atomic::Ordering::Relaxed);
     n
 }
 
