@@ -3,9 +3,9 @@
 
 use refusion_gguf::{GgufHeader, Value, ValueType};
 
-use crate::chat::{ChatTemplate, Message, Tokenizer};
-use crate::decode::DecodeParams;
-use crate::server::api::{parse, ChatRequest, CompletionRequest};
+use refusion_engine::chat::{ChatTemplate, Message, Tokenizer};
+use refusion_engine::decode::DecodeParams;
+use refusion_server::api::{parse, ChatRequest, CompletionRequest};
 
 /// The GGUF reader: header, metadata, tensor infos, offsets, alignment.
 pub fn gguf_header(data: &[u8]) {
@@ -15,7 +15,7 @@ pub fn gguf_header(data: &[u8]) {
             assert!(t.offset % h.alignment == 0);
             assert!(h.data_offset + t.offset + t.n_bytes <= data.len() as u64);
         }
-        let _ = crate::model::Qwen3Config::from_gguf(&h);
+        let _ = refusion_engine::model::Qwen3Config::from_gguf(&h);
         let _ = Tokenizer::from_gguf(&h);
     }
 }
@@ -192,7 +192,7 @@ pub fn decoding_values(data: &[u8]) {
     }
     let _ = (p.padded_gen_length(), p.block_len(), p.dropped_tail());
     let max_gen_length = (word() as u32).clamp(1, MAX_TOKENS);
-    let overrides = crate::decode::Overrides {
+    let overrides = refusion_engine::decode::Overrides {
         max_tokens: Some(word() as u32),
         slot_size: Some(word() as u32),
         serial_blocks: Some(word() as u32),
@@ -200,9 +200,9 @@ pub fn decoding_values(data: &[u8]) {
     };
     let _ = overrides.apply(&p, max_gen_length);
     let prompt = [3u32, 4, 5];
-    if crate::decode::check(&prompt, &p, 16, 4 * MAX_TOKENS as usize).is_ok() {
+    if refusion_engine::decode::check(&prompt, &p, 16, 4 * MAX_TOKENS as usize).is_ok() {
         assert!(p.padded_gen_length() <= 2 * MAX_TOKENS);
-        let mut decoder = crate::decode::start(&prompt, 0, &p);
+        let mut decoder = refusion_engine::decode::start(&prompt, 0, &p);
         let _ = decoder.poll(&mut |_| {});
     }
 }

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
 use common::*;
-use refusion::gguf::Value;
+use refusion_gguf::Value;
 
 struct Env {
     tmp: tempfile::TempDir,

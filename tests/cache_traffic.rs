@@ -7,10 +7,10 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use refusion::decode::{generate, DecodeParams};
-use refusion::gguf::GgufFile;
-use refusion::kv::CacheType;
-use refusion::model::{Forward, Offload, Qwen3};
+use refusion_engine::decode::{generate, DecodeParams};
+use refusion_engine::kv::CacheType;
+use refusion_engine::model::{Forward, Offload, Qwen3};
+use refusion_gguf::GgufFile;
 
 fn params() -> DecodeParams {
     DecodeParams {

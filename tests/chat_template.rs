@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use common::*;
-use refusion::chat::{ChatTemplate, Message};
+use refusion_engine::chat::{ChatTemplate, Message};
 use serde_json::json;
 
 fn python() -> String {

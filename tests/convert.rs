@@ -8,8 +8,8 @@ use std::fs;
 use std::path::Path;
 
 use common::*;
-use refusion::convert::quant;
-use refusion::gguf::{FileType, GgmlType, GgufFile, Value};
+use refusion_convert::quant;
+use refusion_gguf::{FileType, GgmlType, GgufFile, Value};
 
 fn convert(dir: &Path, out: &Path, outtype: &str, extra: &[&str]) {
     let mut args = vec![

@@ -101,7 +101,7 @@ fn demo_json_is_generates_object_with_real_parallelism() {
 /// files (real weights, where near-ties are rarer than with random ones but do exist).
 #[test]
 fn the_tiny_models_quantized_files_answer_alike_on_every_kernel_path() {
-    use refusion::model::kquants::CpuPath;
+    use refusion_engine::model::kquants::CpuPath;
     let tmp = tempfile::tempdir().unwrap();
     let model = trained_tiny();
     for outtype in ["q8_0", "q4_k_m"] {

@@ -9,9 +9,9 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use common::*;
-use refusion::gguf::GgufFile;
-use refusion::kv::{CacheType, KvCache};
-use refusion::model::{Batch, Forward, LogitsFor, Qwen3};
+use refusion_engine::kv::{CacheType, KvCache};
+use refusion_engine::model::{Batch, Forward, LogitsFor, Qwen3};
+use refusion_gguf::GgufFile;
 use serde_json::Value;
 
 fn load_forward_json() -> Value {
@@ -39,7 +39,7 @@ fn batch_of(call: &Value) -> Batch {
 }
 
 /// Largest violation of |got - ref| <= tol * (1 + |ref|), and whether every argmax agrees.
-fn compare(call: &Value, got: &refusion::model::Logits, tol: f32) -> (f32, bool) {
+fn compare(call: &Value, got: &refusion_engine::model::Logits, tol: f32) -> (f32, bool) {
     let mut worst = 0f32;
     let mut argmax_ok = true;
     let mut i = 0;
@@ -115,7 +115,7 @@ fn forward_matches_transformers_at_f32() {
 }
 
 /// Relative L2 error of all logits of a call.
-fn rel_l2(call: &Value, got: &refusion::model::Logits) -> f64 {
+fn rel_l2(call: &Value, got: &refusion_engine::model::Logits) -> f64 {
     let want: Vec<f64> = call["logits"]
         .as_array()
         .unwrap()
@@ -236,8 +236,9 @@ fn files_written_by_llama_cpp_s_gguf_library_and_v2_files_load() {
                     file.display()
                 );
             }
-            let t = refusion::chat::Tokenizer::from_gguf(&GgufFile::open(file).unwrap().header)
-                .unwrap();
+            let t =
+                refusion_engine::chat::Tokenizer::from_gguf(&GgufFile::open(file).unwrap().header)
+                    .unwrap();
             assert!(t.mask_id.is_some());
         }
     }

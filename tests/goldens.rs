@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use common::*;
-use refusion::decode::{generate, Kind};
-use refusion::gguf::GgufFile;
-use refusion::kv::CacheType;
-use refusion::model::{Offload, Qwen3};
+use refusion_engine::decode::{generate, Kind};
+use refusion_engine::kv::CacheType;
+use refusion_engine::model::{Offload, Qwen3};
+use refusion_gguf::GgufFile;
 use serde_json::Value;
 
 /// The device that stands in for a GPU in the offload tests: candle's CPU device (the same

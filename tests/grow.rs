@@ -8,13 +8,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::*;
-use refusion::decode::generate;
-use refusion::gguf::GgufFile;
-use refusion::kv::CacheType;
-use refusion::model::{Batch, Forward, LogitsFor, Qwen3};
 use refusion_convert::hf::config::Qwen3Config;
 use refusion_convert::{ConvertOptions, Verbosity};
+use refusion_engine::decode::generate;
+use refusion_engine::kv::CacheType;
+use refusion_engine::model::{Batch, Forward, LogitsFor, Qwen3};
 use refusion_gguf::FileType;
+use refusion_gguf::GgufFile;
 use serde_json::Value;
 
 fn tiny_dir() -> PathBuf {

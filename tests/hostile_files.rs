@@ -147,7 +147,7 @@ fn real_file(dir: &Path, outtype: &str) -> (PathBuf, Vec<u8>) {
 
 /// Where the tensor data begins: after the header, aligned (read back with the crate).
 fn data_offset(path: &Path) -> usize {
-    refusion::gguf::GgufFile::open(path)
+    refusion_gguf::GgufFile::open(path)
         .unwrap()
         .header
         .data_offset as usize
@@ -417,7 +417,7 @@ fn check_tensors_names_the_tensor_that_holds_nan() {
     let tmp = tempfile::tempdir().unwrap();
     for outtype in ["f32", "q8_0"] {
         let (path, bytes) = real_file(tmp.path(), outtype);
-        let f = refusion::gguf::GgufFile::open(&path).unwrap();
+        let f = refusion_gguf::GgufFile::open(&path).unwrap();
         let t = f.header.tensor("blk.1.ffn_up.weight").unwrap();
         let at = (f.header.data_offset + t.offset) as usize;
         let mut b = bytes.clone();

@@ -10,11 +10,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use common::*;
-use refusion::decode::{generate, DecodeParams, DecodeResult, Piece, Template};
-use refusion::gguf::GgufFile;
-use refusion::kv::CacheType;
-use refusion::model::Qwen3;
-use refusion::sched::Scheduler;
+use refusion_engine::decode::{generate, DecodeParams, DecodeResult, Piece, Template};
+use refusion_engine::kv::CacheType;
+use refusion_engine::model::Qwen3;
+use refusion_engine::sched::Scheduler;
+use refusion_gguf::GgufFile;
 use serde_json::Value;
 
 fn goldens() -> Vec<Value> {
@@ -222,10 +222,10 @@ fn fitted_gaps_through_the_scheduler_stay_exact() {
     let path = tmp.path().join("refusion-tiny.gguf");
     convert_quiet(&trained_tiny(), &path, "f32");
     let file = Arc::new(GgufFile::open(&path).unwrap());
-    let tok = refusion::chat::Tokenizer::from_gguf(&file.header).unwrap();
+    let tok = refusion_engine::chat::Tokenizer::from_gguf(&file.header).unwrap();
     let m = Qwen3::load_offloaded(file, None).unwrap();
     let fitted = |c: &Value| {
-        let pieces = refusion::decode::template::parse(
+        let pieces = refusion_engine::decode::template::parse(
             c["template_text"].as_str().unwrap(),
             c["gen_length"].as_u64().unwrap() as u32,
         )

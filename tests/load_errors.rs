@@ -7,7 +7,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use refusion::gguf::{GgufFile, GgufWriter, TensorSpec, Value};
+use refusion_gguf::{GgufFile, GgufWriter, TensorSpec, Value};
 
 /// Converts pub-a to f32 and returns the path.
 fn base(tmp: &Path) -> PathBuf {

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use refusion::gguf::Value;
+use refusion_gguf::Value;
 
 /// What a run came to.
 #[derive(Debug, PartialEq)]

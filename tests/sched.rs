@@ -11,12 +11,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use common::*;
-use refusion::decode::{generate, DecodeParams, DecodeResult};
-use refusion::error::Error;
-use refusion::gguf::GgufFile;
-use refusion::kv::CacheType;
-use refusion::model::{Offload, Qwen3};
-use refusion::sched::{Request, Scheduler, Update};
+use refusion_engine::decode::{generate, DecodeParams, DecodeResult};
+use refusion_engine::error::Error;
+use refusion_engine::kv::CacheType;
+use refusion_engine::model::{Offload, Qwen3};
+use refusion_engine::sched::{Request, Scheduler, Update};
+use refusion_gguf::GgufFile;
 use serde_json::Value;
 
 fn load(dir: &std::path::Path, out: &std::path::Path, outtype: &str) -> Qwen3 {
@@ -158,7 +158,7 @@ fn check_goldens_scheduled(offload: Option<Offload>, models: &[&str], limits: &[
 /// questions, some asked twice (prefix reuse of a whole prompt).
 fn chat_prompts(model: &Qwen3, dir: &std::path::Path, n: usize) -> Vec<Vec<u32>> {
     let file = GgufFile::open(dir).unwrap();
-    let tok = refusion::chat::Tokenizer::from_gguf(&file.header).unwrap();
+    let tok = refusion_engine::chat::Tokenizer::from_gguf(&file.header).unwrap();
     let questions = [
         "What is 47 + 38?",
         "What is 12 + 9?",
@@ -185,9 +185,9 @@ fn chat_prompts(model: &Qwen3, dir: &std::path::Path, n: usize) -> Vec<Vec<u32>>
 }
 
 fn tiny_params(file: &GgufFile) -> DecodeParams {
-    let tok = refusion::chat::Tokenizer::from_gguf(&file.header).unwrap();
+    let tok = refusion_engine::chat::Tokenizer::from_gguf(&file.header).unwrap();
     let mut p = DecodeParams::new(
-        refusion::convert::DecodingDefaults::default(),
+        refusion_convert::DecodingDefaults::default(),
         tok.eos_id.unwrap(),
         tok.mask_id.unwrap(),
     );
@@ -346,7 +346,8 @@ fn golden_cases_through_the_server_at_once_with_token_id_prompts() {
     let tmp = tempfile::tempdir().unwrap();
     let gguf = tmp.path().join("pub-b.gguf");
     convert_quiet(&fixture_model("pub-b"), &gguf, "f32");
-    let tok = refusion::chat::Tokenizer::from_gguf(&GgufFile::open(&gguf).unwrap().header).unwrap();
+    let tok = refusion_engine::chat::Tokenizer::from_gguf(&GgufFile::open(&gguf).unwrap().header)
+        .unwrap();
     let cases: Vec<&Value> = goldens["cases"]
         .as_array()
         .unwrap()

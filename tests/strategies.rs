@@ -8,11 +8,11 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use refusion::decode::{argmax, generate, DecodeParams, Kind};
-use refusion::gguf::GgufFile;
-use refusion::kv::{CacheType, KvCache};
-use refusion::model::{Batch, Forward, LogitsFor, Qwen3};
-use refusion::sched::Scheduler;
+use refusion_engine::decode::{argmax, generate, DecodeParams, Kind};
+use refusion_engine::kv::{CacheType, KvCache};
+use refusion_engine::model::{Batch, Forward, LogitsFor, Qwen3};
+use refusion_engine::sched::Scheduler;
+use refusion_gguf::GgufFile;
 
 fn model(dir: &std::path::Path, name: &str) -> Qwen3 {
     let out = dir.join(format!("{name}.gguf"));
@@ -66,7 +66,7 @@ fn left_to_right_decoding_is_greedy_decoding_exactly() {
                 &prompt,
                 &ar_params(24, eos, mask),
                 &mut |ev| {
-                    if let refusion::decode::Event::Committed { tokens, .. } = ev {
+                    if let refusion_engine::decode::Event::Committed { tokens, .. } = ev {
                         committed.extend_from_slice(tokens);
                     }
                 },

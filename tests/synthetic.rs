@@ -5,9 +5,9 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use refusion::gguf::{GgmlType, GgufFile};
-use refusion::kv::CacheType;
-use refusion::model::{Batch, Forward, Qwen3};
+use refusion_engine::kv::CacheType;
+use refusion_engine::model::{Batch, Forward, Qwen3};
+use refusion_gguf::{GgmlType, GgufFile};
 
 /// `convert --synthetic 0.6b --outtype q4_k_m` into `dir`.
 fn synthetic_0_6b(dir: &std::path::Path) -> std::path::PathBuf {
@@ -55,14 +55,14 @@ fn logits_of(m: &Qwen3, tokens: &[u32], n: usize) -> Vec<f32> {
 /// by far more. Without our kernels, nothing to do.
 fn our_kernels_match_candles(file: &std::path::Path) {
     let _switch = KERNEL_SWITCH.lock().unwrap_or_else(|e| e.into_inner());
-    if !refusion::model::kquants::available() {
+    if !refusion_engine::model::kquants::available() {
         return;
     }
     let load = || Qwen3::load_offloaded(Arc::new(GgufFile::open(file).unwrap()), None).unwrap();
     let ours = load();
-    refusion::model::kquants::set_enabled(false);
+    refusion_engine::model::kquants::set_enabled(false);
     let candle = load();
-    refusion::model::kquants::set_enabled(true);
+    refusion_engine::model::kquants::set_enabled(true);
     let tokens: Vec<u32> = (0..9).map(|i| 100 + i * 997).collect();
     for n in [1, 9] {
         let (ours, want) = (logits_of(&ours, &tokens, n), logits_of(&candle, &tokens, n));
@@ -105,10 +105,10 @@ fn a_synthetic_qwen3_0_6b_has_the_real_shapes_and_types_and_runs() {
     // candle's kernels (what runs without ours, and for other types), with weights read in
     // place from the map and copied into memory (--no-mmap).
     let switch = KERNEL_SWITCH.lock().unwrap_or_else(|e| e.into_inner());
-    refusion::model::kquants::set_enabled(false);
+    refusion_engine::model::kquants::set_enabled(false);
     let load = |mmap| Qwen3::load_with(Arc::new(GgufFile::open(&out).unwrap()), None, mmap);
     let (mapped, copied) = (load(true), load(false));
-    refusion::model::kquants::set_enabled(true);
+    refusion_engine::model::kquants::set_enabled(true);
     drop(switch);
     let (mapped, copied) = (mapped.unwrap(), copied.unwrap());
     let tokens: Vec<u32> = (0..9).map(|i| 100 + i * 997).collect();
@@ -166,7 +166,7 @@ fn every_kernel_path_gives_the_same_answer() {
     assert_fails_with(&o, &["REFUSION_CPU=sse9: unknown kernel path"]);
     // The default path (on AMD, one-row products on the 256-bit kernels) gives the same
     // tokens as every forced one; a bad prefetch distance is refused in one line.
-    use refusion::model::kquants::CpuPath;
+    use refusion_engine::model::kquants::CpuPath;
     let default = generate_on(&out, "");
     assert!(default.status.success(), "{}", stderr(&default));
     let forced = generate_on(&out, CpuPath::detect().name());
@@ -223,7 +223,7 @@ fn generate_on(out: &std::path::Path, path: &str) -> std::process::Output {
 
 /// The same tokens from `out` on each of our kernel paths this CPU runs.
 fn same_answer_on_every_path(out: &std::path::Path) {
-    use refusion::model::kquants::CpuPath;
+    use refusion_engine::model::kquants::CpuPath;
     let ours: Vec<&str> = CpuPath::runnable()
         .into_iter()
         .filter(|&p| p != CpuPath::Generic)

@@ -5,8 +5,8 @@ mod common;
 use std::path::Path;
 
 use common::*;
-use refusion::chat::Tokenizer;
-use refusion::gguf::GgufFile;
+use refusion_engine::chat::Tokenizer;
+use refusion_gguf::GgufFile;
 
 const TEXTS: &[&str] = &[
     "Hello, world!",

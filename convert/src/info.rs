@@ -5,20 +5,7 @@ use std::fmt::Write as _;
 
 use crate::gguf::{FileType, GgufFile, Value};
 
-pub fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
+pub use refusion_gguf::human_bytes;
 
 /// Renders the report `refusion info` prints.
 pub fn describe(file: &GgufFile) -> String {

@@ -9,7 +9,6 @@ pub mod mix;
 pub mod names;
 pub mod output;
 pub mod pipeline;
-pub mod quant;
 pub mod requantize;
 pub mod synthetic;
 
@@ -18,6 +17,6 @@ pub use convert::{convert, Checkpoint, ConvertOptions};
 // these names.
 pub use mix::MixOptions;
 pub use pipeline::{Summary, Verbosity};
-pub use refusion_gguf::{self as gguf, decoding, error, files};
+pub use refusion_gguf::{self as gguf, decoding, error, files, quant};
 pub use refusion_gguf::{DecodingDefaults, Error, Result};
 pub use requantize::requantize;

@@ -59,15 +59,7 @@ pub fn is_ignorable(hf_name: &str) -> bool {
     hf_name.ends_with(".rotary_emb.inv_freq")
 }
 
-/// The layer index of a GGUF tensor name (`blk.N.…`).
-pub fn layer_of(gguf_name: &str) -> Option<usize> {
-    gguf_name
-        .strip_prefix("blk.")?
-        .split('.')
-        .next()?
-        .parse()
-        .ok()
-}
+pub use refusion_gguf::layer_of;
 
 #[cfg(test)]
 mod tests {

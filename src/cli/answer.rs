@@ -7,8 +7,8 @@ use std::io::{IsTerminal, Write};
 use refusion_convert::info::human_bytes;
 
 use super::generate::GenerateArgs;
-use crate::chat::{TextStream, Tokenizer};
-use crate::decode::{CellState, DecodeParams, Event, Trace};
+use refusion_engine::chat::{TextStream, Tokenizer};
+use refusion_engine::decode::{CellState, DecodeParams, Event, Trace};
 
 /// Where the answer goes as it decodes: streamed text, or the `--visual` canvas, or nothing
 /// until the end (`--json`).
@@ -76,7 +76,7 @@ impl<'t> Output<'t> {
 
 /// What a decode came to, for `--json` or the figures on stderr.
 pub(super) struct Report<'r> {
-    pub(super) result: &'r crate::decode::DecodeResult,
+    pub(super) result: &'r refusion_engine::decode::DecodeResult,
     pub(super) text: String,
     /// A template's fills: each gap's text, tokens, first position and whether EOS ended it.
     pub(super) gaps: Option<serde_json::Value>,
@@ -185,9 +185,9 @@ impl Report<'_> {
 
 /// A template's fills for `--json` (none without a template).
 pub(super) fn gaps_json(
-    r: &crate::decode::DecodeResult,
+    r: &refusion_engine::decode::DecodeResult,
     tok: &Tokenizer,
-) -> crate::error::Result<Option<serde_json::Value>> {
+) -> refusion_engine::error::Result<Option<serde_json::Value>> {
     let Some(f) = &r.filled else {
         return Ok(None);
     };
@@ -280,7 +280,7 @@ pub(super) fn as_f64(x: f32) -> f64 {
 #[cfg(test)]
 mod canvas_tests {
     use super::Canvas;
-    use crate::decode::{DecodeParams, Event, Trace};
+    use refusion_engine::decode::{DecodeParams, Event, Trace};
 
     fn drawn(color: bool) -> String {
         let d = refusion_gguf::DecodingDefaults {

@@ -20,11 +20,11 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::bounded;
-use crate::chat::{ChatTemplate, Message, TextStream};
-use crate::decode::{DecodeParams, DecodeResult, Event};
-use crate::runtime::Loaded;
-use crate::sched::{Request, Scheduler, Update};
-use crate::server::api::{self, ChatMessage, Knobs};
+use refusion_engine::chat::{ChatTemplate, Message, TextStream};
+use refusion_engine::decode::{DecodeParams, DecodeResult, Event};
+use refusion_engine::load::runtime::Loaded;
+use refusion_engine::sched::{Request, Scheduler, Update};
+use refusion_server::api::{self, ChatMessage, Knobs};
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -283,7 +283,7 @@ pub fn run(loaded: &Loaded, lines: Vec<(usize, Value, Line)>, opts: &BatchRun<'_
 }
 
 /// The batch's figures on stderr.
-fn report(n: usize, tokens: usize, secs: f64, st: &crate::sched::Stats, parallel: usize) {
+fn report(n: usize, tokens: usize, secs: f64, st: &refusion_engine::sched::Stats, parallel: usize) {
     eprintln!(
         "batch: {n} requests, {tokens} answer tokens in {secs:.2} s ({:.1} tokens/s), {} forwards of {:.1} tokens on average, {} prompt tokens of {} from cached prompts, -np {parallel}",
         tokens as f64 / secs.max(1e-9),
@@ -297,7 +297,7 @@ fn report(n: usize, tokens: usize, secs: f64, st: &crate::sched::Stats, parallel
 /// A line's prompt tokens.
 fn line_prompt(
     line: &Line,
-    tok: &crate::chat::Tokenizer,
+    tok: &refusion_engine::chat::Tokenizer,
     template: Option<&ChatTemplate>,
     use_template: bool,
 ) -> Result<Vec<u32>> {
@@ -337,7 +337,7 @@ fn finished(
     id: &Value,
     prompt_tokens: usize,
     answer: &Answer<'_>,
-    r: crate::error::Result<DecodeResult>,
+    r: refusion_engine::error::Result<DecodeResult>,
 ) -> Value {
     match r {
         Ok(r) => json!({
@@ -350,7 +350,7 @@ fn finished(
             "tpf": r.tpf,
             "forward_calls": r.forward_calls,
         }),
-        Err(crate::error::Error::Cancelled) if answer.stopped => json!({
+        Err(refusion_engine::error::Error::Cancelled) if answer.stopped => json!({
             "index": index, "line": line, "id": id,
             "text": answer.text,
             "finish_reason": "stop",

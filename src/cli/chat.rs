@@ -13,10 +13,10 @@ use refusion_gguf::Value;
 use super::generate::DecodeArgs;
 use super::line_input::{Input, Line};
 use super::model_args::ModelArgs;
-use crate::chat::{ChatTemplate, Message, TextStream};
-use crate::decode::{Event, TextPiece};
-use crate::runtime::load;
-use crate::session::Session;
+use refusion_engine::chat::{ChatTemplate, Message, TextStream};
+use refusion_engine::decode::{Event, TextPiece};
+use refusion_engine::load::runtime::load;
+use refusion_engine::session::Session;
 
 static GENERATING: AtomicBool = AtomicBool::new(false);
 static CANCEL: AtomicBool = AtomicBool::new(false);
@@ -52,7 +52,7 @@ const HELP: &str = "commands: /reset  /save FILE  /load FILE  /template TEXT  /b
 /template alone forgets it";
 
 /// Saves the conversation: the KV cache, its tokens and the messages.
-fn save<M: crate::model::Forward + ?Sized>(
+fn save<M: refusion_engine::model::Forward + ?Sized>(
     s: &Session<'_, M>,
     path: &Path,
     model_hash: u64,
@@ -63,7 +63,7 @@ fn save<M: crate::model::Forward + ?Sized>(
     Ok(())
 }
 
-fn restore<M: crate::model::Forward + ?Sized>(
+fn restore<M: refusion_engine::model::Forward + ?Sized>(
     s: &mut Session<'_, M>,
     path: &Path,
     model_hash: u64,
@@ -198,8 +198,8 @@ fn multi_line(first: &str, input: &mut Input) -> Result<Option<String>> {
 
 /// A chat in the terminal: the session (its messages and cache) and what each turn needs.
 struct Chat<'m> {
-    session: Session<'m, crate::model::Qwen3>,
-    params: crate::decode::DecodeParams,
+    session: Session<'m, refusion_engine::model::Qwen3>,
+    params: refusion_engine::decode::DecodeParams,
     context: usize,
     system: Option<String>,
     model_hash: u64,
@@ -263,7 +263,7 @@ impl Chat<'_> {
             }
             "/template" => {
                 let text = arg.replace("\\n", "\n");
-                match crate::decode::template::parse(&text, self.params.gen_length) {
+                match refusion_engine::decode::template::parse(&text, self.params.gen_length) {
                     Ok(pieces) => {
                         let gaps = pieces
                             .iter()
@@ -285,12 +285,19 @@ impl Chat<'_> {
     }
 
     /// The parameters for an answer that fills `template`'s gaps.
-    fn templated(&self, template: &str) -> crate::error::Result<crate::decode::DecodeParams> {
-        let pieces = crate::decode::template::parse(template, self.params.gen_length)?;
+    fn templated(
+        &self,
+        template: &str,
+    ) -> refusion_engine::error::Result<refusion_engine::decode::DecodeParams> {
+        let pieces = refusion_engine::decode::template::parse(template, self.params.gen_length)?;
         let tok = self.session.tokenizer();
-        let t = crate::decode::Template::from_text(&pieces, |s| tok.encode_text(s), Some(tok))?;
+        let t = refusion_engine::decode::Template::from_text(
+            &pieces,
+            |s| tok.encode_text(s),
+            Some(tok),
+        )?;
         let base = self.params.clone();
-        let vocab = crate::model::Forward::config(self.session.model()).vocab;
+        let vocab = refusion_engine::model::Forward::config(self.session.model()).vocab;
         t.validate_for(base.mask_id, vocab, base.slot_size)?;
         let p = base.with_template(t);
         p.validate()?;
@@ -373,7 +380,7 @@ impl Chat<'_> {
                     prompt.len()
                 );
             }
-            Err(crate::error::Error::Cancelled) => eprintln!("(stopped)"),
+            Err(refusion_engine::error::Error::Cancelled) => eprintln!("(stopped)"),
             Err(e) => eprintln!("error: {e}"),
         }
         Ok(())

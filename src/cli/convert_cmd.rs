@@ -167,8 +167,8 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
         .hf_dir
         .as_deref()
         .and_then(|d| d.to_str())
-        .filter(|d| a.synthetic.is_none() && crate::hub::is_repo_id(d))
-        .map(|d| crate::hub::RepoRef::new(d, a.revision.as_deref()));
+        .filter(|d| a.synthetic.is_none() && refusion_engine::load::hub::is_repo_id(d))
+        .map(|d| refusion_engine::load::hub::RepoRef::new(d, a.revision.as_deref()));
     if a.revision.is_some() && repo.is_none() {
         anyhow::bail!("--revision needs a Hub repo id (org/name) in place of the folder");
     }
@@ -214,7 +214,9 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
         (_, None, Some(r)) => {
             // The output's folder is checked before gigabytes are downloaded.
             check_output_folder(&outfile)?;
-            let hub = crate::hub::Hub::from_env(opts.verbosity != Verbosity::Quiet)?;
+            let hub =
+                refusion_engine::load::hub::Hub::from_env(opts.verbosity != Verbosity::Quiet)?
+                    .with_notes(crate::cli::notes());
             let dir = hub.checkpoint(r)?;
             if opts.verbosity != Verbosity::Quiet {
                 eprintln!("{} ({}): {}", r.id, r.revision, dir.display());

@@ -12,12 +12,12 @@ use refusion_gguf::{GgufHeader, Value};
 
 use super::answer::{Output, Report};
 use super::model_args::ModelArgs;
-use crate::chat::{ChatTemplate, Message, Tokenizer};
-use crate::decode::DecodeParams;
-use crate::kv::claim::{claim, CacheFile};
-use crate::plan::Workload;
-use crate::runtime::{load, load_for};
-use crate::session::Session;
+use refusion_engine::chat::{ChatTemplate, Message, Tokenizer};
+use refusion_engine::decode::DecodeParams;
+use refusion_engine::kv::claim::{claim, CacheFile};
+use refusion_engine::load::plan::Workload;
+use refusion_engine::load::runtime::{load, load_for};
+use refusion_engine::session::Session;
 
 #[derive(Args)]
 #[command(group(ArgGroup::new("input").required(true).args(["prompt", "file", "prompt_ids", "batch"])))]
@@ -118,7 +118,7 @@ pub struct DecodeArgs {
     /// token per forward, to compare with on the same file) or `infill` (gaps; chosen by
     /// --template/--suffix).
     #[arg(long, value_name = "slots|ar|infill", value_parser = parse_strategy)]
-    strategy: Option<crate::decode::Kind>,
+    strategy: Option<refusion_engine::decode::Kind>,
     /// Seed of the sampling noise (-1: a random one, printed).
     #[arg(short = 's', long, default_value_t = 0, allow_negative_numbers = true)]
     seed: i128,
@@ -245,8 +245,8 @@ impl DecodeArgs {
         p.seed = self.seed();
         p.strategy = match self.strategy {
             Some(k) => k,
-            None if infill => crate::decode::Kind::Infill,
-            None => crate::decode::Kind::Slots,
+            None if infill => refusion_engine::decode::Kind::Infill,
+            None => refusion_engine::decode::Kind::Slots,
         };
         p.validate().map_err(|e| {
             // Name the file's keys behind the values the flags left alone.
@@ -265,7 +265,7 @@ impl DecodeArgs {
                 anyhow::anyhow!("{e}; from the file's {}", from_file.join(", "))
             }
         })?;
-        if p.strategy == crate::decode::Kind::Slots && p.dropped_tail() > 0 {
+        if p.strategy == refusion_engine::decode::Kind::Slots && p.dropped_tail() > 0 {
             eprintln!(
                 "note: the last {} positions do not fill a serial block and are not generated (as in the reference)",
                 p.dropped_tail()
@@ -341,7 +341,7 @@ pub fn prompt_tokens(
     Ok(tokenizer.encode(&template.render(&messages, true)?)?)
 }
 
-fn parse_strategy(s: &str) -> std::result::Result<crate::decode::Kind, String> {
+fn parse_strategy(s: &str) -> std::result::Result<refusion_engine::decode::Kind, String> {
     s.parse()
 }
 
@@ -410,7 +410,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         // A saved prompt longer than this request's cache is loaded whole (its common prefix
         // is kept): room for it, up to the context (a longer one cannot be loaded anyway).
         let saved = (a.prompt_cache.as_deref())
-            .and_then(crate::kv::saved::saved_entries)
+            .and_then(refusion_engine::kv::saved::saved_entries)
             .map_or(0, |n| n.min(m.context));
         let mut workload = workload(&params, prompt.len(), m.context)?;
         workload.kv_entries = workload.kv_entries.max(saved);
@@ -441,7 +441,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         decode_s,
         total_s: start.elapsed().as_secs_f64(),
         planned_host_bytes: loaded.plan.on_cpu.total(),
-        peak_resident_bytes: crate::runtime::peak_resident_bytes(),
+        peak_resident_bytes: refusion_engine::load::runtime::peak_resident_bytes(),
     };
     if a.json {
         println!("{}", report.json());
@@ -474,14 +474,14 @@ impl GenerateArgs {
     fn template_pieces(
         &self,
         default_gap: u32,
-    ) -> Option<crate::error::Result<Vec<crate::decode::TextPiece>>> {
-        use crate::decode::TextPiece;
+    ) -> Option<refusion_engine::error::Result<Vec<refusion_engine::decode::TextPiece>>> {
+        use refusion_engine::decode::TextPiece;
         match (&self.template, &self.suffix) {
             (Some(t), _) => {
-                Some(crate::decode::template::parse(t, default_gap).map_err(Into::into))
+                Some(refusion_engine::decode::template::parse(t, default_gap).map_err(Into::into))
             }
             (None, Some(s)) => Some(Ok(vec![
-                TextPiece::Gap(crate::decode::GapSize::most(default_gap)),
+                TextPiece::Gap(refusion_engine::decode::GapSize::most(default_gap)),
                 TextPiece::Text(s.clone()),
             ])),
             _ => None,
@@ -503,7 +503,7 @@ impl GenerateArgs {
             true => tokenizer.encode(s),
             false => tokenizer.encode_text(s),
         };
-        let t = crate::decode::Template::from_text(&pieces, encode, Some(tokenizer))?;
+        let t = refusion_engine::decode::Template::from_text(&pieces, encode, Some(tokenizer))?;
         t.validate_for(params.mask_id, vocab, params.slot_size)?;
         let params = params.with_template(t);
         params.validate()?;
@@ -532,10 +532,10 @@ impl GenerateArgs {
     /// the reuse noted (notes go to stderr before the answer, not after it).
     fn session<'m>(
         &self,
-        loaded: &'m crate::runtime::Loaded,
+        loaded: &'m refusion_engine::load::runtime::Loaded,
         capacity: usize,
         prompt: &[u32],
-    ) -> Result<Session<'m, crate::model::Qwen3>> {
+    ) -> Result<Session<'m, refusion_engine::model::Qwen3>> {
         let cache = loaded.new_cache(capacity)?;
         let mut session = Session::new(&loaded.model, &loaded.tokenizer, None, cache);
         let Some(path) = &self.prompt_cache else {

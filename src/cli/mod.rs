@@ -73,6 +73,11 @@ pub fn main() -> i32 {
 }
 
 /// Runs another command line (`run` hands over to `generate` or `chat`).
+/// The engine's notes while loading (the plan, the load line, warnings), to stderr as they come.
+pub(crate) fn notes() -> refusion_engine::load::Notes {
+    refusion_engine::load::Notes::to(|line| eprintln!("{line}"))
+}
+
 fn run_argv(argv: Vec<String>) -> anyhow::Result<()> {
     let cli = Cli::try_parse_from(argv.into_iter().map(|a| llama_cpp_flag(a.into())))
         .map_err(|e| anyhow::anyhow!("{}", e.render().to_string().trim_end()))?;

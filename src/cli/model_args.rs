@@ -4,9 +4,9 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::kv::CacheType;
-use crate::plan::GpuLayers;
-use crate::runtime::{DeviceChoice, LoadOptions, MAX_CONTEXT, MAX_THREADS};
+use refusion_engine::kv::CacheType;
+use refusion_engine::load::plan::GpuLayers;
+use refusion_engine::load::runtime::{DeviceChoice, LoadOptions, MAX_CONTEXT, MAX_THREADS};
 
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
@@ -46,7 +46,7 @@ pub struct ModelArgs {
     #[arg(long = "n-gpu-layers", visible_alias = "gpu-layers", value_name = "N|auto|all", value_parser = parse_gpu_layers)]
     pub gpu_layers: Option<GpuLayers>,
     /// Most tokens per forward chunk (`-ub`); the memory plan may lower it to fit the GPU.
-    #[arg(long = "ubatch-size", default_value_t = crate::model::qwen3::DEFAULT_UBATCH, value_parser = parse_ubatch, allow_negative_numbers = true)]
+    #[arg(long = "ubatch-size", default_value_t = refusion_engine::model::qwen3::DEFAULT_UBATCH, value_parser = parse_ubatch, allow_negative_numbers = true)]
     pub ubatch: usize,
     /// Copy the weights into memory instead of reading them from the memory-mapped file
     /// (llama.cpp's --no-mmap; uses more memory, avoids page faults on slow filesystems).
@@ -130,11 +130,12 @@ impl ModelArgs {
             Some((id, _)) => (id, None),
             None => (spec, None),
         };
-        if !crate::hub::is_repo_id(id) {
+        if !refusion_engine::load::hub::is_repo_id(id) {
             anyhow::bail!("-hf {spec}: expected a Hub repo id, org/name[:QUANT]");
         }
-        let repo = crate::hub::RepoRef::new(id, None);
-        let hub = crate::hub::Hub::from_env(!self.log_disable)?;
+        let repo = refusion_engine::load::hub::RepoRef::new(id, None);
+        let hub = refusion_engine::load::hub::Hub::from_env(!self.log_disable)?
+            .with_notes(crate::cli::notes());
         Ok(hub.gguf(&repo, quant)?)
     }
 
@@ -178,6 +179,7 @@ impl ModelArgs {
             default_threads: self.threads.is_none_or(|n| n == 0),
             kv_extra: 0,
             verbose: verbose && !self.log_disable,
+            notes: crate::cli::notes(),
         })
     }
 }

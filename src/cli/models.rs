@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
 
-use crate::hub::{is_repo_id, Hub, RepoRef};
+use refusion_engine::load::hub::{is_repo_id, Hub, RepoRef};
 
 #[derive(Args, Debug)]
 pub struct PullArgs {
@@ -107,7 +107,7 @@ pub fn resolve(spec: &str, fetch: bool, progress: bool) -> Result<PathBuf> {
             Ok(p)
         }
         Spec::Repo { id, quant } => {
-            let hub = Hub::from_env(progress)?;
+            let hub = Hub::from_env(progress)?.with_notes(crate::cli::notes());
             let hub = if fetch { hub } else { hub.cached_only() };
             Ok(hub.gguf(&RepoRef::new(&id, None), quant.as_deref())?)
         }
@@ -243,7 +243,7 @@ fn ago(t: SystemTime) -> String {
 }
 
 pub fn list(a: ListArgs) -> Result<()> {
-    let hub = Hub::from_env(false)?;
+    let hub = Hub::from_env(false)?.with_notes(crate::cli::notes());
     let models = cached_models(hub.cache_dir());
     if a.json {
         for m in &models {
@@ -291,7 +291,7 @@ pub fn list(a: ListArgs) -> Result<()> {
 }
 
 pub fn rm(a: RmArgs) -> Result<()> {
-    let hub = Hub::from_env(false)?;
+    let hub = Hub::from_env(false)?.with_notes(crate::cli::notes());
     let cache = hub.cache_dir().to_path_buf();
     let models = cached_models(&cache);
     // Every name is checked before anything is deleted.
@@ -423,7 +423,7 @@ type Rows = Vec<(&'static str, serde_json::Value)>;
 
 /// What `show` tells, in order: the model, and its decoding defaults when the file has them.
 fn facts(file: &refusion_gguf::GgufFile) -> (Rows, Option<Rows>) {
-    let card = crate::server::ModelCard::of(file);
+    let card = refusion_server::ModelCard::of(file);
     let h = &file.header;
     let text = |k: &str| json!(h.get(k).and_then(|v| v.as_str()).unwrap_or(""));
     let arch = h

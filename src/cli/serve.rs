@@ -10,9 +10,9 @@ use refusion_gguf::decoding::MAX_TOKENS;
 
 use super::generate::DecodeArgs;
 use super::model_args::ModelArgs;
-use crate::runtime::load;
-use crate::server::worker::Limits;
-use crate::server::{check_access, serve, ConnLimits, ServerConfig};
+use refusion_engine::load::runtime::load;
+use refusion_server::worker::Limits;
+use refusion_server::{check_access, serve, ConnLimits, ServerConfig};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -162,7 +162,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let _ = a.cont_batching;
     check_access(a.host, a.api_key.as_deref())?;
-    crate::server::Cors::new(&a.cors_origin, a.host, a.api_key.as_deref())?;
+    refusion_server::Cors::new(&a.cors_origin, a.host, a.api_key.as_deref())?;
     if !(1..=65_536).contains(&a.max_connections) {
         anyhow::bail!(
             "--max-connections must be between 1 and 65536, got {}",
@@ -216,7 +216,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
 /// block of scratch leave room for in the context.
 fn max_gen_that_fits(
     asked: u32,
-    base: &crate::decode::DecodeParams,
+    base: &refusion_engine::decode::DecodeParams,
     context: usize,
 ) -> Result<u32> {
     let k = base.slot_size.max(1) as usize;

@@ -11,9 +11,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use refusion::convert::hf::config::Qwen3Config;
-use refusion::convert::names;
-use refusion::gguf::{GgufFile, GgufWriter, TensorSpec, Value};
+use refusion_convert::hf::config::Qwen3Config;
+use refusion_convert::names;
+use refusion_gguf::{GgufFile, GgufWriter, TensorSpec, Value};
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value as Json};
 
@@ -509,37 +509,37 @@ pub fn golden_ids(v: &Json) -> Vec<u32> {
 }
 
 /// A golden case's decoding parameters (slot decoding, seed 0).
-pub fn golden_params(case: &Json) -> refusion::decode::DecodeParams {
+pub fn golden_params(case: &Json) -> refusion_engine::decode::DecodeParams {
     let n = |k: &str| case[k].as_u64().unwrap() as u32;
     let x = |k: &str| case[k].as_f64().unwrap();
-    refusion::decode::DecodeParams {
+    refusion_engine::decode::DecodeParams {
         gen_length: n("gen_length"),
         slot_size: n("slot_size"),
         serial_blocks: n("serial_num_blocks"),
         slot_threshold: x("slot_threshold") as f32,
         token_threshold: x("token_threshold") as f32,
         temperature: x("temperature"),
-        ..refusion::decode::DecodeParams::new(Default::default(), n("eos_id"), n("mask_id"))
+        ..refusion_engine::decode::DecodeParams::new(Default::default(), n("eos_id"), n("mask_id"))
     }
 }
 
 /// Results of scheduler requests by index (`sched_request`'s sink fills it).
 pub type SchedResults =
-    std::cell::RefCell<std::collections::HashMap<usize, refusion::decode::DecodeResult>>;
+    std::cell::RefCell<std::collections::HashMap<usize, refusion_engine::decode::DecodeResult>>;
 
 /// A scheduler request whose result lands in `out` under `i`.
 pub fn sched_request<'a>(
     i: usize,
     prompt: Vec<u32>,
-    params: refusion::decode::DecodeParams,
+    params: refusion_engine::decode::DecodeParams,
     out: &'a SchedResults,
-) -> refusion::sched::Request<'a> {
-    refusion::sched::Request {
+) -> refusion_engine::sched::Request<'a> {
+    refusion_engine::sched::Request {
         prompt,
         params,
         cancel: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
         sink: Box::new(move |u| {
-            if let refusion::sched::Update::Finished(r) = u {
+            if let refusion_engine::sched::Update::Finished(r) = u {
                 out.borrow_mut().insert(i, r.unwrap());
             }
         }),

@@ -10,10 +10,10 @@ use refusion_convert::info::human_bytes;
 use refusion_gguf::{DecodingDefaults, GgufHeader, Value};
 
 use super::{score, BenchArgs, ModelLine};
-use crate::decode::{check, generate, DecodeParams, Kind};
-use crate::kv::KvCache;
-use crate::model::Forward;
-use crate::runtime::{load, Loaded};
+use refusion_engine::decode::{check, generate, DecodeParams, Kind};
+use refusion_engine::kv::KvCache;
+use refusion_engine::load::runtime::{load, Loaded};
+use refusion_engine::model::Forward;
 
 /// A named decoding setting: the model card's, a paper benchmark's (refusion-facts §7.2), or
 /// plain left-to-right decoding on the same file.

@@ -58,7 +58,7 @@ pub fn measure(rounds: usize) -> Result<Vec<Stream>> {
     let buf: &[u8] = &buf;
     let ways = ways();
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); ways.len()];
-    let pool = crate::model::pool::WorkerPool::global();
+    let pool = refusion_engine::model::pool::WorkerPool::global();
     for round in 0..=rounds {
         for (w, &(_, read)) in ways.iter().enumerate() {
             let slice = BYTES / SLICES;

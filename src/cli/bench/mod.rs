@@ -14,8 +14,8 @@ use refusion_convert::info::human_bytes;
 use refusion_gguf::FileType;
 
 use super::model_args::ModelArgs;
-use crate::model::{Batch, Forward, LogitsFor};
-use crate::runtime::{load, resident_bytes};
+use refusion_engine::load::runtime::{load, resident_bytes};
+use refusion_engine::model::{Batch, Forward, LogitsFor};
 
 #[derive(Args)]
 #[command(mut_arg("model", |a| a.required_unless_present_any(["hf_repo", "model_arg", "membw"])))]
@@ -276,7 +276,7 @@ fn run_membw(a: &BenchArgs) -> Result<()> {
         bail!("-r must be at least 1");
     }
     super::set_threads(a.model.threads)?;
-    let threads = crate::model::pool::WorkerPool::global().threads();
+    let threads = refusion_engine::model::pool::WorkerPool::global().threads();
     let ways = membw::measure(a.repetitions)?;
     let best = ways.iter().map(|w| w.gbps).fold(0.0, f64::max);
     let format = if a.json { "jsonl" } else { a.output.as_str() };
@@ -372,8 +372,8 @@ impl BenchArgs {
 
 /// The shared prefix every test runs over (`-d`), committed once.
 fn fill_prefix(
-    loaded: &crate::runtime::Loaded,
-    cache: &mut crate::kv::KvCache,
+    loaded: &refusion_engine::load::runtime::Loaded,
+    cache: &mut refusion_engine::kv::KvCache,
     prefix: usize,
     vocab: u32,
 ) -> Result<()> {
@@ -402,7 +402,7 @@ struct ModelLine {
 }
 
 impl ModelLine {
-    fn of(loaded: &crate::runtime::Loaded, threads: usize) -> ModelLine {
+    fn of(loaded: &refusion_engine::load::runtime::Loaded, threads: usize) -> ModelLine {
         let h = &loaded.file.header;
         let file_type = h
             .get("general.file_type")
@@ -426,7 +426,7 @@ impl ModelLine {
             params: h.tensors.iter().map(|t| t.n_elements()).sum(),
             backend,
             threads,
-            kernels: crate::model::kquants::path_name(),
+            kernels: refusion_engine::model::kquants::path_name(),
         }
     }
 
@@ -448,7 +448,7 @@ impl ModelLine {
             "threads": self.threads,
             "backend": self.backend,
             "kernels": self.kernels,
-            "prefetch_tiles": crate::model::kquants::prefetch_tiles(),
+            "prefetch_tiles": refusion_engine::model::kquants::prefetch_tiles(),
         })
     }
 }
@@ -457,7 +457,7 @@ impl ModelLine {
 /// warm-up; logits for the last token only, as llama-bench's prompt processing.
 fn time_prompt(
     model: &dyn Forward,
-    cache: &mut crate::kv::KvCache,
+    cache: &mut refusion_engine::kv::KvCache,
     prefix: usize,
     n: usize,
     vocab: u32,
@@ -484,7 +484,7 @@ fn time_prompt(
 /// shape), timed as a whole per run; the cache is cropped back to `prefix` after each.
 fn time_generation(
     model: &dyn Forward,
-    cache: &mut crate::kv::KvCache,
+    cache: &mut refusion_engine::kv::KvCache,
     prefix: usize,
     n: usize,
     vocab: u32,

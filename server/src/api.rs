@@ -212,16 +212,16 @@ impl Knobs {
     /// checked; `n` other than 1 is refused here (one choice per request).
     pub fn params(
         &self,
-        base: &crate::decode::DecodeParams,
+        base: &refusion_engine::decode::DecodeParams,
         max_gen_length: u32,
-    ) -> Result<crate::decode::DecodeParams, ApiError> {
+    ) -> Result<refusion_engine::decode::DecodeParams, ApiError> {
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::bad_request(
                 "n must be 1: one choice per request is supported (send several requests)",
             )
             .param("n"));
         }
-        let overrides = crate::decode::Overrides {
+        let overrides = refusion_engine::decode::Overrides {
             max_tokens: self.max_completion_tokens.or(self.max_tokens),
             temperature: self.temperature,
             seed: self.seed,
@@ -232,7 +232,7 @@ impl Knobs {
             strategy: self.strategy.clone(),
         };
         overrides.apply(base, max_gen_length).map_err(|e| match e {
-            crate::error::RequestError::Field { field, message } => {
+            refusion_engine::error::RequestError::Field { field, message } => {
                 ApiError::bad_request(message).param(field)
             }
             e => ApiError::bad_request(e.to_string()),

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use super::api::ApiError;
 use super::body::discard_body;
 use super::AppState;
-use crate::error::{Error, Result};
+use refusion_engine::error::{Error, Result};
 
 /// Middleware: every route but `/health` and the web page's files needs the key when one is
 /// set, checked before the body is read.

@@ -10,11 +10,11 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::api::{ApiError, Knobs};
 use super::fill::{FillSpec, Fills};
 use super::queue::{JobQueue, Phase, Pop, WorkerState};
-use crate::chat::{ChatTemplate, Message, TextStream};
-use crate::decode::{DecodeParams, Event, Trace};
-use crate::error::{Error, RequestError};
-use crate::runtime::Loaded;
-use crate::sched::{Request, Scheduler, Stats, Update};
+use refusion_engine::chat::{ChatTemplate, Message, TextStream};
+use refusion_engine::decode::{DecodeParams, Event, Trace};
+use refusion_engine::error::{Error, RequestError};
+use refusion_engine::load::runtime::Loaded;
+use refusion_engine::sched::{Request, Scheduler, Stats, Update};
 
 pub enum JobInput {
     Chat(Vec<Message>),
@@ -365,7 +365,7 @@ impl<'a> Ctx<'a> {
         // its parameters are checked as that strategy's.
         let mut base = self.limits.base.clone();
         if job.template.is_some() {
-            base.strategy = crate::decode::Kind::Infill;
+            base.strategy = refusion_engine::decode::Kind::Infill;
         }
         let params = job
             .knobs
@@ -468,7 +468,7 @@ impl<'a> Ctx<'a> {
     }
 
     fn vocab(&self) -> usize {
-        crate::model::Forward::config(&self.loaded.model).vocab
+        refusion_engine::model::Forward::config(&self.loaded.model).vocab
     }
 
     fn prompt(&self, input: &JobInput) -> Result<Vec<u32>, ApiError> {
@@ -505,14 +505,14 @@ impl<'a> Ctx<'a> {
 /// as a `refusion.step` event, the same [`Trace`] `--visual` draws.
 struct Steps<'t> {
     trace: Trace,
-    tokenizer: &'t crate::chat::Tokenizer,
+    tokenizer: &'t refusion_engine::chat::Tokenizer,
     step: usize,
     /// Each token's text, decoded once (a planning step changes a whole block of cells).
     texts: std::collections::HashMap<u32, String>,
 }
 
 impl<'t> Steps<'t> {
-    fn new(trace: Trace, tokenizer: &'t crate::chat::Tokenizer) -> Steps<'t> {
+    fn new(trace: Trace, tokenizer: &'t refusion_engine::chat::Tokenizer) -> Steps<'t> {
         Steps {
             trace,
             tokenizer,
@@ -648,8 +648,8 @@ impl Answer<'_> {
     /// the error.
     fn finish(
         &mut self,
-        result: crate::error::Result<crate::decode::DecodeResult>,
-        tokenizer: &crate::chat::Tokenizer,
+        result: refusion_engine::error::Result<refusion_engine::decode::DecodeResult>,
+        tokenizer: &refusion_engine::chat::Tokenizer,
         shutdown: &Shutdown,
     ) -> Result<Vec<Msg>, ApiError> {
         let prompt_tokens = self.prompt_tokens;

@@ -5,9 +5,9 @@
 
 use super::api::ApiError;
 use super::worker::{Msg, StopFilter};
-use crate::chat::{TextStream, Tokenizer};
-use crate::decode::template::{parse, GapSize, TextPiece};
-use crate::decode::{DecodeParams, DecodeResult, Template};
+use refusion_engine::chat::{TextStream, Tokenizer};
+use refusion_engine::decode::template::{parse, GapSize, TextPiece};
+use refusion_engine::decode::{DecodeParams, DecodeResult, Template};
 
 /// Where a request's template comes from.
 #[derive(Debug, Clone)]
@@ -60,7 +60,7 @@ impl FillSpec {
         vocab: usize,
         max_gen: u32,
     ) -> Result<DecodeParams, ApiError> {
-        if params.strategy == crate::decode::Kind::Autoregressive {
+        if params.strategy == refusion_engine::decode::Kind::Autoregressive {
             return Err(ApiError::bad_request(format!(
                 "strategy 'ar' cannot fill gaps (a {} asks for them): gaps are filled by slot decoding",
                 self.field

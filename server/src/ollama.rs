@@ -25,7 +25,7 @@ use super::fill::{FillSource, FillSpec};
 use super::jobs::{collect, submit};
 use super::worker::{JobInput, Msg};
 use super::AppState;
-use crate::chat::Message;
+use refusion_engine::chat::Message;
 
 /// What `/api/tags` and `/api/show` tell about the one model served.
 #[derive(Debug, Clone)]

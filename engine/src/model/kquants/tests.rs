@@ -1,7 +1,7 @@
 //! Tests of the module above.
 
 use super::*;
-use refusion_convert::quant;
+use refusion_gguf::quant;
 
 fn lcg(seed: &mut u64) -> f32 {
     *seed = seed

@@ -8,12 +8,13 @@ use std::time::Instant;
 use candle_core::Device;
 use refusion_gguf::{GgufFile, GgufHeader};
 
+use super::Notes;
 use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
 use crate::kv::claim::{claim, CacheFile};
 use crate::kv::{CacheType, KvCache};
+use crate::load::plan::{GpuInfo, GpuLayers, MemoryPlan, ModelSizes, PlanRequest, Workload};
 use crate::model::{Forward, Offload, Qwen3, Qwen3Config};
-use crate::plan::{GpuInfo, GpuLayers, MemoryPlan, ModelSizes, PlanRequest, Workload};
 
 /// Where the forward runs (`--device`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,7 +44,7 @@ impl std::str::FromStr for DeviceChoice {
 
 impl DeviceChoice {
     /// The candle device, or a clear error when the build or the machine has no GPU.
-    pub fn open(&self) -> Result<Device> {
+    pub fn open(&self, notes: &Notes) -> Result<Device> {
         match self {
             DeviceChoice::Cpu => Ok(Device::Cpu),
             DeviceChoice::Cuda(n) => open_cuda(*n),
@@ -51,7 +52,7 @@ impl DeviceChoice {
                 Ok(d) => Ok(d),
                 Err(e) => {
                     if cfg!(feature = "cuda") {
-                        eprintln!("no usable GPU ({e}); running on the CPU");
+                        notes.say(&format!("no usable GPU ({e}); running on the CPU"));
                     }
                     Ok(Device::Cpu)
                 }
@@ -178,7 +179,10 @@ pub struct LoadOptions {
     pub kv_extra: usize,
     /// The thread count is the default (one per CPU): a busy machine gets a note.
     pub default_threads: bool,
+    /// The plan and the load line as well as the warnings.
     pub verbose: bool,
+    /// Where those lines go.
+    pub notes: Notes,
 }
 
 pub struct Loaded {
@@ -192,6 +196,7 @@ pub struct Loaded {
     cache_type: CacheType,
     kv_file: Option<PathBuf>,
     verbose: bool,
+    notes: Notes,
 }
 
 impl Loaded {
@@ -221,7 +226,7 @@ impl Loaded {
             .new_cache(capacity, self.cache_type, self.kv_file.as_deref())?;
         if self.verbose {
             let per_token = shape.bytes_per_token(self.cache_type);
-            eprintln!(
+            self.notes.say(&format!(
                 "KV cache: {capacity} entries x {per_token} bytes per token ({:?}, {:.1} MiB{})",
                 self.cache_type,
                 (per_token * capacity) as f64 / (1 << 20) as f64,
@@ -229,7 +234,7 @@ impl Loaded {
                     .as_ref()
                     .map(|p| format!(", file {}", p.display()))
                     .unwrap_or_default(),
-            );
+            ));
         }
         Ok(cache)
     }
@@ -251,7 +256,7 @@ pub fn available_memory() -> Option<u64> {
 }
 
 fn mib(b: u64) -> String {
-    refusion_convert::info::human_bytes(b)
+    refusion_gguf::human_bytes(b)
 }
 
 /// The tensors' types and how many of each ("q4_K 197, q6_K 29, f32 113"), so that what was
@@ -335,11 +340,11 @@ fn open(opts: &LoadOptions) -> Result<Opened> {
         file.check_tensors()?;
     }
     if file.header.version != 3 && opts.verbose {
-        eprintln!(
+        opts.notes.say(&format!(
             "note: {} is GGUF version {} (read as version 3, whose layout it shares)",
             opts.path.display(),
             file.header.version
-        );
+        ));
     }
     let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
     // The tokenizer (a vocabulary and merge table to build) loads beside the device and the
@@ -388,7 +393,7 @@ fn finish_load(
     let cfg = model.config();
     let load_seconds = start.elapsed().as_secs_f64();
     if opts.verbose {
-        eprintln!(
+        opts.notes.say(&format!(
             "loaded {} ({} layers, hidden {}, vocab {}; tensors {}) on {:?} in {:.2} s (kernels: {})",
             Path::new(&opts.path).display(),
             cfg.n_layers,
@@ -398,9 +403,9 @@ fn finish_load(
             device.location(),
             load_seconds,
             crate::model::kquants::path_name(),
-        );
+        ));
         if let Some(note) = busy_note().filter(|_| opts.default_threads) {
-            eprintln!("{note}");
+            opts.notes.say(&note);
         }
     }
     Ok(Loaded {
@@ -413,6 +418,7 @@ fn finish_load(
         cache_type: opts.cache_type,
         kv_file: opts.kv_file.clone(),
         verbose: opts.verbose,
+        notes: opts.notes.clone(),
     })
 }
 
@@ -432,9 +438,9 @@ struct Setup {
 }
 
 fn prepare(opts: &LoadOptions, file: &GgufFile) -> Result<Setup> {
-    let device = opts.device.open()?;
+    let device = opts.device.open(&opts.notes)?;
     let cfg = Qwen3Config::from_gguf(&file.header)?;
-    let context = context_for(opts.context, &cfg)?;
+    let context = context_for(opts.context, &cfg, &opts.notes)?;
     Ok(Setup {
         device,
         cfg,
@@ -457,7 +463,9 @@ fn load_weights(
     let gpu = gpu_info(&device);
     if gpu.is_none() {
         if let Some(GpuLayers::Count(n)) = opts.gpu_layers.filter(|&l| l != GpuLayers::Count(0)) {
-            eprintln!("warning: -ngl {n} has no effect: running on the CPU");
+            opts.notes.say(&format!(
+                "warning: -ngl {n} has no effect: running on the CPU"
+            ));
         }
     }
     let sizes = ModelSizes::from_gguf(&file.header, &cfg, opts.cache_type);
@@ -475,7 +483,7 @@ fn load_weights(
     let plan = MemoryPlan::new(&sizes, &request)
         .map_err(|r| Error::msg(format!("{}\n{}", r.reason, r.plan)))?;
     if plan.gpu.is_some() || opts.verbose {
-        eprintln!("{plan}");
+        opts.notes.say(&plan.to_string());
     }
     let offload = (plan.gpu_layers > 0 || plan.output_on_gpu).then(|| Offload {
         device: device.clone(),
@@ -494,7 +502,7 @@ fn load_weights(
 
 /// The context `-c` asks for: 0 the trained one, none the default (or the trained one if
 /// smaller); never beyond [`MAX_CONTEXT`], and a warning beyond the trained one.
-fn context_for(asked: Option<usize>, cfg: &Qwen3Config) -> Result<usize> {
+fn context_for(asked: Option<usize>, cfg: &Qwen3Config, notes: &Notes) -> Result<usize> {
     let context = match asked {
         Some(0) if cfg.context_length > MAX_CONTEXT => {
             return Err(Error::msg(format!(
@@ -513,11 +521,11 @@ fn context_for(asked: Option<usize>, cfg: &Qwen3Config) -> Result<usize> {
         None => DEFAULT_CONTEXT.min(cfg.context_length),
     };
     if context > cfg.context_length {
-        eprintln!(
+        notes.say(&format!(
             "warning: the context ({context} tokens) is beyond what the model was trained on \
              ({}); positions past it may give poor answers",
             cfg.context_length
-        );
+        ));
     }
     Ok(context)
 }

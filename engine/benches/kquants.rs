@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
-use refusion::model::kquants::{self, matmul_many, PackedMatrix};
+use refusion_engine::model::kquants::{self, matmul_many, PackedMatrix};
 use refusion_gguf::GgmlType;
 
 fn main() -> candle_core::Result<()> {
@@ -37,7 +37,7 @@ fn main() -> candle_core::Result<()> {
     };
     let wf: Vec<f32> = (0..n * k).map(|_| rand()).collect();
     let mut data = vec![0u8; n * k / 256 * block];
-    refusion_convert::quant::quantize(ty, &wf, k, &mut data);
+    refusion_gguf::quant::quantize(ty, &wf, k, &mut data);
     let storage = QStorage::from_data(Cow::Borrowed(&data), &Device::Cpu, dtype)?;
     let candle = QMatMul::from_arc(Arc::new(QTensor::new(storage, (n, k))?))?;
     let ours = PackedMatrix::pack(ty, n, k, &data);

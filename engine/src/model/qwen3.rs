@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
-use refusion_convert::quant;
+use refusion_gguf::quant;
 use refusion_gguf::{GgmlType, GgufFile, TensorInfo};
 
 use super::device_attention::{self, DeviceVisibility};

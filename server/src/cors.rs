@@ -21,7 +21,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::api::ApiError;
 use super::body::{discard_body, BodyLimits};
-use crate::error::{Error, Result};
+use refusion_engine::error::{Error, Result};
 
 /// The origins allowed beyond loopback, and the host names a loopback server answers to.
 #[derive(Clone)]

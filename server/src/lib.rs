@@ -1,4 +1,5 @@
-//! `refusion serve`: an OpenAI-compatible HTTP server (axum on tokio).
+//! refusion-server: `refusion serve`, an OpenAI-compatible HTTP server (axum on tokio) over
+//! refusion-engine's scheduler.
 //!
 //! Each API has its file: [`openai`] (`/v1/*`), [`ollama`] (`/api/*`), [`llama`] (llama-server's
 //! `/tokenize`, `/detokenize`, `/props`); they parse and check a request ([`api`]), then queue
@@ -45,8 +46,8 @@ pub use self::ollama::ModelCard;
 use self::queue::{FailOnPanic, JobQueue, Phase, WorkerState};
 use self::signals::Signals;
 use self::worker::{Limits, Load, Shutdown};
-use crate::error::{Error, Result};
-use crate::runtime::Loaded;
+use refusion_engine::error::{Error, Result};
+use refusion_engine::load::runtime::Loaded;
 
 pub struct ServerConfig {
     pub host: IpAddr,
@@ -74,7 +75,7 @@ struct AppState {
     /// What ollama's `/api/tags` tells about the model.
     card: ollama::ModelCard,
     /// For `/tokenize` and `/detokenize` (shared with the worker).
-    tokenizer: Arc<crate::chat::Tokenizer>,
+    tokenizer: Arc<refusion_engine::chat::Tokenizer>,
     /// The model's embedding rows.
     vocab: usize,
     /// llama-server's `/props`.
@@ -201,7 +202,7 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
 
     let card = ollama::ModelCard::of(&loaded.file);
     let tokenizer = loaded.tokenizer.clone();
-    let vocab = crate::model::Forward::config(&loaded.model).vocab;
+    let vocab = refusion_engine::model::Forward::config(&loaded.model).vocab;
     let props = props(&loaded, &limits);
     let shutdown = Arc::new(Shutdown::default());
     let jobs = Arc::new(JobQueue::new(cfg.queue));

@@ -3,7 +3,7 @@
 //! "at least one more" and would merge a second signal sent right after the first, and once
 //! the drain has ended nothing would be left to hear it.
 
-use crate::error::Result;
+use refusion_engine::error::Result;
 
 #[cfg(unix)]
 static RECEIVED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -12,7 +12,7 @@ static RECEIVED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize
 /// one line on stderr. Only async-signal-safe calls (an atomic add, `write`, `_exit`).
 #[cfg(unix)]
 fn install_second_signal_exit() -> Result<()> {
-    use crate::error::Error;
+    use refusion_engine::error::Error;
     fn on_signal(msg: &'static [u8]) {
         if RECEIVED.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= 1 {
             // SAFETY: write(2) and _exit(2) are async-signal-safe; `msg` is a static buffer.
@@ -51,7 +51,7 @@ impl Signals {
     pub fn new() -> Result<Signals> {
         #[cfg(unix)]
         {
-            use crate::error::Error;
+            use refusion_engine::error::Error;
             use tokio::signal::unix::{signal, SignalKind};
             let install =
                 |kind| signal(kind).map_err(|e| Error::msg(format!("cannot handle signals: {e}")));

@@ -7,7 +7,7 @@ pub mod search;
 
 use rayon::prelude::*;
 
-use crate::gguf::GgmlType;
+use crate::GgmlType;
 
 /// Encodes `x` (a whole number of rows of `row_len` elements) as `ty` into `out`, which must be
 /// exactly the encoded size. Rows are spread over the rayon pool.

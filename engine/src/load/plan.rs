@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use refusion_convert::info::human_bytes;
+use refusion_gguf::human_bytes;
 use refusion_gguf::{GgmlType, GgufHeader, TensorInfo};
 
 use crate::kv::CacheType;
@@ -94,7 +94,7 @@ impl ModelSizes {
         };
         for t in &header.tensors {
             let extra = repack_extra(t);
-            let layer = refusion_convert::names::layer_of(&t.name).filter(|&l| l < cfg.n_layers);
+            let layer = refusion_gguf::layer_of(&t.name).filter(|&l| l < cfg.n_layers);
             if let Some(l) = layer {
                 layer_weights[l] += t.n_bytes;
                 layer_repack[l] += extra;

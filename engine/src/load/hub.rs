@@ -11,6 +11,7 @@
 
 use std::path::{Path, PathBuf};
 
+use super::Notes;
 use hf_hub::api::sync::{Api, ApiBuilder, ApiError};
 use hf_hub::{Cache, Repo, RepoType};
 
@@ -121,6 +122,7 @@ pub struct Hub {
     cache: Cache,
     endpoint: String,
     offline: bool,
+    notes: Notes,
 }
 
 /// `HF_HUB_OFFLINE` as `huggingface_hub` reads it (1, true, yes, on).
@@ -158,7 +160,14 @@ impl Hub {
             cache,
             endpoint,
             offline: env_flag("HF_HUB_OFFLINE"),
+            notes: Notes::silent(),
         })
+    }
+
+    /// Where the Hub's notes go (a cached snapshot used because the Hub cannot be reached).
+    pub fn with_notes(mut self, notes: Notes) -> Hub {
+        self.notes = notes;
+        self
     }
 
     /// Only what is cached: nothing is asked of the Hub (as `HF_HUB_OFFLINE=1`).
@@ -277,7 +286,10 @@ impl Hub {
                 Ok((_, files)) => return Ok((files, true)),
                 Err(e @ HubError::Unreachable { .. }) => match self.cached_files(repo) {
                     Some(files) => {
-                        eprintln!("note: {e}; using the cached snapshot of {}", repo.id);
+                        self.notes.say(&format!(
+                            "note: {e}; using the cached snapshot of {}",
+                            repo.id
+                        ));
                         return Ok((files, false));
                     }
                     None => return Err(e),

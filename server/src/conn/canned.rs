@@ -11,7 +11,7 @@
 
 use axum::http::StatusCode;
 
-use crate::server::api::ApiError;
+use crate::api::ApiError;
 
 /// The bytes to send in place of `head` when it is hyper's own error answer.
 pub fn with_error_body(head: &[u8]) -> Option<Vec<u8>> {

@@ -18,8 +18,8 @@ use super::fill::{stitch, FillSource, FillSpec};
 use super::jobs::{collect, enqueue, now, started, submit, usage, UsageTail};
 use super::worker::{JobInput, Msg};
 use super::AppState;
-use crate::chat::Message;
-use crate::decode::TextPiece;
+use refusion_engine::chat::Message;
+use refusion_engine::decode::TextPiece;
 
 pub(super) async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     match chat_inner(&state, body).await {
