@@ -4,7 +4,6 @@
 //! replicated per row here either.
 
 use candle_core::{DType, Device, Tensor};
-use half::f16;
 
 use super::cells::Move;
 use super::{CacheShape, CacheType, Kv};
@@ -30,6 +29,8 @@ pub struct DeviceStore {
     n_kv_heads: usize,
     head_dim: usize,
     ty: CacheType,
+    /// The tensors' element type ([`super::KvKind::dtype`]).
+    dtype: DType,
 }
 
 impl DeviceStore {
@@ -40,11 +41,21 @@ impl DeviceStore {
         device: Option<(&Device, usize)>,
     ) -> Result<DeviceStore> {
         let mut layers = Vec::new();
+        let dtype = match (ty.kind().dtype(), device) {
+            (Some(d), _) => d,
+            (None, None) => DType::F32,
+            (None, Some(_)) => {
+                return Err(Error::msg(format!(
+                    "the {} KV cache has no GPU path yet: use -ngl 0, or --cache-type f16",
+                    ty.name()
+                )))
+            }
+        };
         if let Some((dev, n)) = device {
             let dims = (shape.n_kv_heads, shape.capacity, shape.head_dim);
             for l in 0..n.min(shape.n_layers) {
                 let zeros = || {
-                    Tensor::zeros(dims, ty.dtype(), dev).map_err(|e| {
+                    Tensor::zeros(dims, dtype, dev).map_err(|e| {
                         Error::msg(format!(
                             "cannot allocate the KV cache of layer {l} on {:?}: {e}",
                             dev.location()
@@ -62,6 +73,7 @@ impl DeviceStore {
             n_kv_heads: shape.n_kv_heads,
             head_dim: shape.head_dim,
             ty,
+            dtype,
         })
     }
 
@@ -78,10 +90,7 @@ impl DeviceStore {
     pub fn write(&self, layer: usize, index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
         let dl = &self.layers[layer];
         for (dst, src) in [(&dl.k, k), (&dl.v, v)] {
-            let src = src
-                .transpose(0, 1)?
-                .to_dtype(self.ty.dtype())?
-                .contiguous()?;
+            let src = src.transpose(0, 1)?.to_dtype(self.dtype)?.contiguous()?;
             dst.scatter_set(index, &src, 1)?;
         }
         Ok(())
@@ -142,17 +151,16 @@ impl DeviceStore {
         for layer in &self.layers {
             for t in [&layer.k, &layer.v] {
                 let g = t.index_select(&ids, 1)?.flatten_all()?;
-                match self.ty {
-                    CacheType::F32 => {
-                        for x in g.to_vec1::<f32>()? {
-                            out.extend_from_slice(&x.to_le_bytes());
-                        }
-                    }
-                    CacheType::F16 => {
-                        for x in g.to_vec1::<f16>()? {
-                            out.extend_from_slice(&x.to_le_bytes());
-                        }
-                    }
+                let values = g.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                let kind = self.ty.kind();
+                let rb = kind.row_bytes(self.head_dim);
+                let at = out.len();
+                out.resize(at + values.len() / self.head_dim * rb, 0);
+                for (row, dst) in values
+                    .chunks_exact(self.head_dim)
+                    .zip(out[at..].chunks_exact_mut(rb))
+                {
+                    kind.write_row(row, dst);
                 }
             }
         }
@@ -163,7 +171,9 @@ impl DeviceStore {
     /// `dst..dst + n`. Returns the bytes read.
     pub fn load_le(&self, bytes: &[u8], n: usize, dst: usize) -> Result<usize> {
         let (nkv, hd) = (self.n_kv_heads, self.head_dim);
-        let part = nkv * n * hd * self.ty.size();
+        let kind = self.ty.kind();
+        let rb = kind.row_bytes(hd);
+        let part = nkv * n * rb;
         if n == 0 {
             return Ok(self.layers.len() * 2 * part);
         }
@@ -171,22 +181,11 @@ impl DeviceStore {
             for (j, t) in [&layer.k, &layer.v].into_iter().enumerate() {
                 let start = (l * 2 + j) * part;
                 let b = &bytes[start..start + part];
-                let src = match self.ty {
-                    CacheType::F32 => {
-                        let v: Vec<f32> = b
-                            .chunks_exact(4)
-                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                            .collect();
-                        Tensor::from_vec(v, (nkv, n, hd), t.device())?
-                    }
-                    CacheType::F16 => {
-                        let v: Vec<f16> = b
-                            .chunks_exact(2)
-                            .map(|c| f16::from_le_bytes([c[0], c[1]]))
-                            .collect();
-                        Tensor::from_vec(v, (nkv, n, hd), t.device())?
-                    }
-                };
+                let mut v = vec![0f32; nkv * n * hd];
+                for (row, src) in v.chunks_exact_mut(hd).zip(b.chunks_exact(rb)) {
+                    kind.read_row(src, row);
+                }
+                let src = Tensor::from_vec(v, (nkv, n, hd), t.device())?.to_dtype(self.dtype)?;
                 t.slice_set(&src, 1, dst)?;
             }
         }

@@ -5,7 +5,6 @@
 use std::fs::{File, OpenOptions};
 use std::path::Path;
 
-use half::f16;
 use memmap2::{MmapMut, MmapOptions};
 
 use super::cells::Move;
@@ -99,7 +98,7 @@ fn open_cache_file(
     header.extend_from_slice(LIVE_MAGIC);
     for v in [
         FILE_VERSION,
-        matches!(ty, CacheType::F16) as u32,
+        ty.kind().code(),
         shape.n_layers as u32,
         first_layer as u32,
         shape.n_kv_heads as u32,
@@ -136,7 +135,7 @@ impl HostStore {
         path: Option<&Path>,
     ) -> Result<HostStore> {
         let n_layers = shape.n_layers - first_layer;
-        let bytes = (n_layers * 2 * shape.n_kv_heads * shape.head_dim * ty.size())
+        let bytes = (n_layers * 2 * shape.n_kv_heads * ty.kind().row_bytes(shape.head_dim))
             .checked_mul(shape.capacity)
             .ok_or_else(|| Error::msg("KV cache size overflows"))?;
         let mut _file = None;
@@ -182,30 +181,25 @@ impl HostStore {
         ((layer - self.first_layer) * 2 + kind as usize) * self.n_kv_heads + kv_head
     }
 
-    /// Element offset of (head array, slot).
+    /// Byte offset of (head array, slot).
     #[inline]
     fn offset(&self, head: usize, slot: usize) -> usize {
-        (head * self.capacity + slot) * self.head_dim
+        (head * self.capacity + slot) * self.entry_bytes()
     }
 
     fn entry_bytes(&self) -> usize {
-        self.head_dim * self.ty.size()
+        self.ty.kind().row_bytes(self.head_dim)
     }
 
     /// All slots of one layer's K (or V) for one KV head.
     pub fn head(&self, layer: usize, kind: Kv, kv_head: usize) -> HeadView<'_> {
         let start = self.offset(self.head_index(layer, kind, kv_head), 0);
-        let len = self.capacity * self.head_dim;
-        match self.ty {
-            CacheType::F32 => {
-                let all: &[f32] = bytemuck::cast_slice(&self.mmap[..]);
-                HeadView::F32(&all[start..start + len])
-            }
-            CacheType::F16 => {
-                let all: &[f16] = bytemuck::cast_slice(&self.mmap[..]);
-                HeadView::F16(&all[start..start + len])
-            }
-        }
+        let len = self.capacity * self.entry_bytes();
+        HeadView::new(
+            self.ty.kind(),
+            &self.mmap[start..start + len],
+            self.head_dim,
+        )
     }
 
     /// Writes one layer's new entries: `k` and `v` hold, for each slot in `slots`,
@@ -218,18 +212,10 @@ impl HostStore {
                 for (i, &slot) in slots.iter().enumerate() {
                     let from = &src[(i * nkv + kvh) * hd..(i * nkv + kvh + 1) * hd];
                     let off = self.offset(h, slot);
-                    match self.ty {
-                        CacheType::F32 => {
-                            let all: &mut [f32] = bytemuck::cast_slice_mut(&mut self.mmap[..]);
-                            all[off..off + hd].copy_from_slice(from);
-                        }
-                        CacheType::F16 => {
-                            let all: &mut [f16] = bytemuck::cast_slice_mut(&mut self.mmap[..]);
-                            for (d, &x) in all[off..off + hd].iter_mut().zip(from) {
-                                *d = f16::from_f32(x);
-                            }
-                        }
-                    }
+                    let eb = self.entry_bytes();
+                    self.ty
+                        .kind()
+                        .write_row(from, &mut self.mmap[off..off + eb]);
                 }
             }
         }
@@ -248,18 +234,17 @@ impl HostStore {
             return 0;
         }
         let eb = self.entry_bytes();
-        let es = self.ty.size();
         self.staging.clear();
         self.staging.reserve(m.src.len() * self.heads() * eb);
         for head in 0..self.heads() {
             for &s in &m.src {
-                let off = self.offset(head, s) * es;
+                let off = self.offset(head, s);
                 self.staging.extend_from_slice(&self.mmap[off..off + eb]);
             }
         }
         for head in 0..self.heads() {
             for k in 0..m.src.len() {
-                let off = self.offset(head, m.dst + k) * es;
+                let off = self.offset(head, m.dst + k);
                 let src = (head * m.src.len() + k) * eb;
                 self.mmap[off..off + eb].copy_from_slice(&self.staging[src..src + eb]);
             }
@@ -269,13 +254,13 @@ impl HostStore {
 
     /// The bytes of entry `slot` of head array `head` (file order for saved prefixes).
     pub fn entry_raw(&self, head: usize, slot: usize) -> &[u8] {
-        let off = self.offset(head, slot) * self.ty.size();
+        let off = self.offset(head, slot);
         &self.mmap[off..off + self.entry_bytes()]
     }
 
     /// Writes the bytes of entry `slot` of head array `head`.
     pub fn set_entry_raw(&mut self, head: usize, slot: usize, bytes: &[u8]) {
-        let off = self.offset(head, slot) * self.ty.size();
+        let off = self.offset(head, slot);
         let eb = self.entry_bytes();
         self.mmap[off..off + eb].copy_from_slice(bytes);
     }

@@ -24,16 +24,17 @@ pub mod cells;
 pub mod claim;
 pub mod device;
 pub mod host;
+pub mod kinds;
 pub mod placement;
 pub mod saved;
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
-use half::f16;
+use candle_core::{Device, Tensor};
 
 pub use cells::{Move, Segment, SeqId};
 pub use device::DeviceLayer;
+pub use kinds::{CacheType, KvKind};
 pub use placement::{Placement, Sight, Visible};
 pub use saved::SavedPrefix;
 
@@ -42,41 +43,6 @@ use device::DeviceStore;
 use host::HostStore;
 
 use crate::error::{Error, Result};
-
-/// Element type of the cache (`--cache-type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CacheType {
-    F32,
-    F16,
-}
-
-impl CacheType {
-    pub fn size(self) -> usize {
-        match self {
-            CacheType::F32 => 4,
-            CacheType::F16 => 2,
-        }
-    }
-
-    /// The element type of device-resident layers.
-    pub fn dtype(self) -> DType {
-        match self {
-            CacheType::F32 => DType::F32,
-            CacheType::F16 => DType::F16,
-        }
-    }
-}
-
-impl std::str::FromStr for CacheType {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "f32" => Ok(CacheType::F32),
-            "f16" => Ok(CacheType::F16),
-            _ => Err(format!("unknown cache type '{s}' (expected f32 or f16)")),
-        }
-    }
-}
 
 /// Keys or values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,14 +68,49 @@ impl CacheShape {
 
     /// K and V of one layer for one token.
     pub fn layer_bytes_per_token(&self, ty: CacheType) -> usize {
-        2 * self.n_kv_heads * self.head_dim * ty.size()
+        2 * self.n_kv_heads * ty.kind().row_bytes(self.head_dim)
     }
 }
 
-/// Read access to one layer's K or V for one KV head: `head_dim` elements per slot.
-pub enum HeadView<'a> {
-    F32(&'a [f32]),
-    F16(&'a [f16]),
+/// Read access to one layer's K or V for one KV head: a row of `head_dim` values per slot,
+/// stored as its [`KvKind`] says.
+pub struct HeadView<'a> {
+    kind: &'static dyn KvKind,
+    bytes: &'a [u8],
+    row_bytes: usize,
+    /// The rows in place, when the type stores f32.
+    f32: Option<&'a [f32]>,
+}
+
+impl<'a> HeadView<'a> {
+    pub fn new(kind: &'static dyn KvKind, bytes: &'a [u8], head_dim: usize) -> HeadView<'a> {
+        HeadView {
+            kind,
+            bytes,
+            row_bytes: kind.row_bytes(head_dim),
+            f32: kind.as_f32(bytes),
+        }
+    }
+
+    /// Every row in place as f32 (`[slot, head_dim]`), when the type stores f32.
+    pub fn as_f32(&self) -> Option<&'a [f32]> {
+        self.f32
+    }
+
+    /// Slot `slot`'s row as f32: borrowed in place from an f32 cache, else read into `buf`
+    /// (`head_dim` long).
+    #[inline]
+    pub fn row<'b>(&'b self, slot: usize, buf: &'b mut [f32]) -> &'b [f32] {
+        match self.f32 {
+            Some(all) => &all[slot * buf.len()..(slot + 1) * buf.len()],
+            None => {
+                let rb = self.row_bytes;
+                self.kind
+                    .read_row(&self.bytes[slot * rb..(slot + 1) * rb], buf);
+                buf
+            }
+        }
+    }
 }
 
 pub struct KvCache {
@@ -312,13 +313,10 @@ impl KvCache {
         if layer < self.device.len() {
             return self.device.entry(layer, kind, kv_head, slot);
         }
-        Ok(match self.host.head(layer, kind, kv_head) {
-            HeadView::F32(h) => h[slot * hd..(slot + 1) * hd].to_vec(),
-            HeadView::F16(h) => h[slot * hd..(slot + 1) * hd]
-                .iter()
-                .map(|x| x.to_f32())
-                .collect(),
-        })
+        let mut row = vec![0f32; hd];
+        let view = self.host.head(layer, kind, kv_head);
+        let read = view.row(slot, &mut row).to_vec();
+        Ok(read)
     }
 
     /// Position id of a slot.

@@ -25,7 +25,8 @@ const SAVE_HEADER: usize = 4 + 4 + 8 + 4 * 4 + 8 * 3;
 struct Header {
     version: u32,
     model_hash: u64,
-    ty: CacheType,
+    /// The cache type's code ([`super::KvKind::code`]).
+    ty: u32,
     /// Layers, KV heads and head size of the cache it was saved from.
     shape: (usize, usize, usize),
     entries: u64,
@@ -40,7 +41,7 @@ impl Header {
         h.extend_from_slice(&self.version.to_le_bytes());
         h.extend_from_slice(&self.model_hash.to_le_bytes());
         let (nl, nkv, hd) = self.shape;
-        for v in [matches!(self.ty, CacheType::F16) as usize, nl, nkv, hd] {
+        for v in [self.ty as usize, nl, nkv, hd] {
             h.extend_from_slice(&(v as u32).to_le_bytes());
         }
         for v in [self.entries, self.extra_len, self.checksum] {
@@ -61,11 +62,7 @@ impl Header {
         Header {
             version: u32_at(4),
             model_hash: u64_at(8),
-            ty: if u32_at(16) == 1 {
-                CacheType::F16
-            } else {
-                CacheType::F32
-            },
+            ty: u32_at(16),
             shape: (
                 u32_at(20) as usize,
                 u32_at(24) as usize,
@@ -143,7 +140,7 @@ impl KvCache {
         let header = Header {
             version: SAVE_VERSION,
             model_hash,
-            ty: self.ty,
+            ty: self.ty.kind().code(),
             shape: (
                 self.shape.n_layers,
                 self.shape.n_kv_heads,
@@ -260,7 +257,7 @@ impl KvCache {
 
     /// Bytes of one entry of one head.
     fn entry_bytes(&self) -> usize {
-        self.shape.head_dim * self.ty.size()
+        self.ty.kind().row_bytes(self.shape.head_dim)
     }
 
     /// Whether a file's header fits this model and cache: the mismatch in words if not.
@@ -271,11 +268,11 @@ impl KvCache {
         if h.model_hash != model_hash {
             return Err("it was saved for another model".into());
         }
-        if h.ty != self.ty {
-            return Err(format!(
-                "it holds a {:?} cache, this run uses {:?}",
-                h.ty, self.ty
-            ));
+        if h.ty != self.ty.kind().code() {
+            return Err(match CacheType::from_code(h.ty) {
+                Some(t) => format!("it holds a {t:?} cache, this run uses {:?}", self.ty),
+                None => format!("it holds a cache of unknown type {}", h.ty),
+            });
         }
         let s = &self.shape;
         if h.shape != (s.n_layers, s.n_kv_heads, s.head_dim) {

@@ -541,7 +541,7 @@ mod tests {
         assert!(!is_repo_id("a/b/c"));
         assert!(!is_repo_id("a/.."));
         assert!(!is_repo_id("org/na me"));
-        assert!(!is_repo_id("src/cli")); // exists here
+        assert!(!is_repo_id("src/load")); // exists here (the package folder)
     }
 
     #[test]

@@ -108,7 +108,8 @@ impl ModelSizes {
             layer_repack,
             output_weights,
             output_repack,
-            kv_per_layer_token: (2 * cfg.n_kv_heads * cfg.head_dim * cache_type.size()) as u64,
+            kv_per_layer_token: (2 * cfg.n_kv_heads * cache_type.kind().row_bytes(cfg.head_dim))
+                as u64,
             hidden: cfg.hidden as u64,
             ffn: cfg.ffn as u64,
             n_heads: cfg.n_heads as u64,

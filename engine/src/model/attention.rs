@@ -233,20 +233,6 @@ fn axpy(o: &mut [f32], p: f32, v: &[f32], avx2: bool) {
     }
 }
 
-/// One cached entry as f32: borrowed in place from an f32 cache, converted into `buf` from f16.
-#[inline]
-fn entry<'a>(view: &'a HeadView<'_>, slot: usize, hd: usize, buf: &'a mut [f32]) -> &'a [f32] {
-    match view {
-        HeadView::F32(v) => &v[slot * hd..(slot + 1) * hd],
-        HeadView::F16(v) => {
-            for (o, x) in buf.iter_mut().zip(&v[slot * hd..(slot + 1) * hd]) {
-                *o = x.to_f32();
-            }
-            buf
-        }
-    }
-}
-
 thread_local! {
     /// Per-thread scratch (scores and one converted entry), grown as needed and reused: no
     /// allocation per token or per forward once warm.
@@ -310,7 +296,7 @@ pub fn attend(
             };
             #[cfg(target_arch = "x86_64")]
             if avx2 && block.toks.len() * group <= MAX_QUERIES && held_back() < 2 {
-                if let (HeadView::F32(k), HeadView::F32(v)) = (&keys, &values) {
+                if let (Some(k), Some(v)) = (keys.as_f32(), values.as_f32()) {
                     // SAFETY: the CPU has AVX2 and FMA; this task writes only its own tokens'
                     // heads of `out`, which outlives the call.
                     unsafe { block.run_f32_avx2(k, v, &out_ptr) };
@@ -357,7 +343,7 @@ impl Block<'_> {
             let prefix_slots = || self.prefix.iter().flat_map(|s| s.start..s.start + s.len);
             // Scores against the shared prefix: one read of each key for the whole block.
             for (t, slot) in prefix_slots().enumerate() {
-                let k = entry(keys, slot, head_dim, kbuf);
+                let k = keys.row(slot, kbuf);
                 for j in 0..nt {
                     for h in 0..group {
                         scores[(j * group + h) * stride + t] =
@@ -369,7 +355,7 @@ impl Block<'_> {
             for j in 0..nt {
                 let vis = self.visible[self.toks.start + j];
                 for u in 0..vis.count {
-                    let k = entry(keys, vis.row_slots[u], head_dim, kbuf);
+                    let k = keys.row(vis.row_slots[u], kbuf);
                     for h in 0..group {
                         scores[(j * group + h) * stride + shared + u] =
                             dot(self.q_of(j, h), k, avx2) * self.scale;
@@ -399,7 +385,7 @@ impl Block<'_> {
                 }
             }
             for (t, slot) in prefix_slots().enumerate() {
-                let v = entry(values, slot, head_dim, kbuf);
+                let v = values.row(slot, kbuf);
                 for j in 0..nt {
                     for h in 0..group {
                         axpy(out_of(j, h), scores[(j * group + h) * stride + t], v, avx2);
@@ -409,7 +395,7 @@ impl Block<'_> {
             for j in 0..nt {
                 let vis = self.visible[self.toks.start + j];
                 for u in 0..vis.count {
-                    let v = entry(values, vis.row_slots[u], head_dim, kbuf);
+                    let v = values.row(vis.row_slots[u], kbuf);
                     for h in 0..group {
                         let p = scores[(j * group + h) * stride + shared + u];
                         axpy(out_of(j, h), p, v, avx2);

@@ -1,0 +1,109 @@
+//! The element types of the KV cache, one file each. A type says how a row of `head_dim`
+//! values is stored (its bytes, in blocks of `block_len` values) and read back for attention;
+//! the cache's storage ([`super::host`], [`super::device`], [`super::saved`]) and attention
+//! only ever go through [`KvKind`]. A new type is one file here, its line in [`CacheType`]'s
+//! list, and (for speed) its attention kernels.
+
+mod f16;
+mod f32;
+
+use candle_core::DType;
+
+/// How one KV cache element type stores and reads its rows.
+pub trait KvKind: Sync {
+    /// Its name as `--cache-type` (and llama.cpp's `-ctk`/`-ctv`) spell it.
+    fn name(&self) -> &'static str;
+    /// Its code in a `--kv-file`'s and a saved prefix's header (stable across versions).
+    fn code(&self) -> u32;
+    /// Values per block: a row is whole blocks (1 for plain floats).
+    fn block_len(&self) -> usize;
+    /// Bytes of a row of `n` values, `n` a multiple of [`KvKind::block_len`].
+    fn row_bytes(&self, n: usize) -> usize;
+    /// The element type of device-resident layers, `None` where only the CPU holds it.
+    fn dtype(&self) -> Option<DType>;
+    /// Stores `src` into `dst` (`row_bytes(src.len())` bytes).
+    fn write_row(&self, src: &[f32], dst: &mut [u8]);
+    /// The row in `src` as f32 values in `buf` (`buf.len()` values).
+    fn read_row(&self, src: &[u8], buf: &mut [f32]);
+    /// The row in place when it is stored as f32 (and suitably aligned), for the kernels that
+    /// read f32 entries directly; `None` otherwise.
+    fn as_f32<'a>(&self, _src: &'a [u8]) -> Option<&'a [f32]> {
+        None
+    }
+}
+
+/// Element type of the cache (`--cache-type`): a name for one [`KvKind`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheType {
+    F32,
+    F16,
+}
+
+impl CacheType {
+    /// Every type, in the order the help lists them.
+    pub const ALL: [CacheType; 2] = [CacheType::F32, CacheType::F16];
+
+    /// The type's storage and reading (the one place a type is matched).
+    pub fn kind(self) -> &'static dyn KvKind {
+        match self {
+            CacheType::F32 => &f32::F32,
+            CacheType::F16 => &f16::F16,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.kind().name()
+    }
+
+    /// The type whose header code is `code`.
+    pub fn from_code(code: u32) -> Option<CacheType> {
+        Self::ALL.into_iter().find(|t| t.kind().code() == code)
+    }
+}
+
+impl std::str::FromStr for CacheType {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let s = s.to_ascii_lowercase();
+        CacheType::ALL
+            .into_iter()
+            .find(|t| t.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = CacheType::ALL.iter().map(|t| t.name()).collect();
+                format!("unknown cache type '{s}' (expected {})", names.join(" or "))
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_writes_and_reads_its_rows() {
+        let row: Vec<f32> = (0..128).map(|i| (i as f32 - 60.5) * 0.37).collect();
+        for t in CacheType::ALL {
+            let k = t.kind();
+            assert_eq!(t.name().parse::<CacheType>(), Ok(t));
+            assert_eq!(CacheType::from_code(k.code()), Some(t));
+            let mut bytes = vec![0u8; k.row_bytes(row.len())];
+            k.write_row(&row, &mut bytes);
+            let mut back = vec![0f32; row.len()];
+            k.read_row(&bytes, &mut back);
+            for (a, b) in row.iter().zip(&back) {
+                assert!(
+                    (a - b).abs() <= a.abs() * 1e-3,
+                    "{}: {a} read back as {b}",
+                    t.name()
+                );
+            }
+            if let Some(direct) = k.as_f32(&bytes) {
+                assert_eq!(direct, &back[..]);
+            }
+        }
+        assert_eq!(
+            "q9".parse::<CacheType>(),
+            Err("unknown cache type 'q9' (expected f32 or f16)".to_string())
+        );
+    }
+}
