@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::api::ApiError;
 use super::body::discard_body;
-use super::AppState;
+use crate::AppState;
 use refusion_engine::error::{Error, Result};
 
 /// Middleware: every route but `/health` and the web page's files needs the key when one is

@@ -4,7 +4,8 @@
 //! grows ([`Fills`]), sent as [`Msg::Fill`] with the gap's index.
 
 use super::api::ApiError;
-use super::worker::{Msg, StopFilter};
+use crate::jobs::Msg;
+use crate::stop::StopFilter;
 use refusion_engine::chat::{TextStream, Tokenizer};
 use refusion_engine::decode::template::{parse, GapSize, TextPiece};
 use refusion_engine::decode::{DecodeParams, DecodeResult, Template};

@@ -29,8 +29,9 @@ use tokio_stream::StreamExt;
 use super::api::{parse, ApiError, Knobs, Stop};
 use super::fill::{FillSource, FillSpec};
 use super::jobs::{collect, submit};
-use super::worker::{JobInput, Msg};
-use super::AppState;
+use crate::jobs::Msg;
+use crate::prepare::JobInput;
+use crate::AppState;
 
 /// One file of `input_extra`: context before the prefix.
 #[derive(Debug, Deserialize)]

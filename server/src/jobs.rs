@@ -1,6 +1,7 @@
-//! What every API's handlers share: a request becomes a job on the worker's bounded queue
-//! ([`enqueue`], [`submit`]), its answer comes back as messages ([`started`], [`collect`]),
-//! and a response that goes away cancels its generation ([`CancelOnDrop`]).
+//! The job protocol between the handlers and the worker, and what every API's handlers share:
+//! a request is checked ([`crate::prepare`]) and becomes a [`Job`] on the worker's bounded
+//! queue ([`enqueue`], [`submit`]), its answer comes back as [`Msg`]s ([`started`],
+//! [`collect`]), and a response that goes away cancels its generation ([`CancelOnDrop`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -11,11 +12,70 @@ use axum::response::sse::Event as SseEvent;
 use serde_json::json;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use super::api::{ApiError, Knobs};
-use super::fill::FillSpec;
-use super::queue::{JobQueue, Phase, PushError, Ticket};
-use super::worker::{Job, JobInput, Msg};
-use super::AppState;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::api::{ApiError, Knobs};
+use crate::fill::FillSpec;
+use crate::prepare::{JobInput, Prepared};
+use crate::queue::{JobQueue, Phase, PushError, Ticket};
+use crate::AppState;
+
+/// A checked request on its way to the worker.
+pub struct Job {
+    pub request: Prepared,
+    /// Set when the client goes away (or a stop string is reached): generation stops.
+    pub cancel: Arc<AtomicBool>,
+    pub tx: UnboundedSender<Msg>,
+}
+
+#[derive(Debug)]
+pub enum Msg {
+    Started {
+        prompt_tokens: usize,
+    },
+    Delta(String),
+    /// Text a template's gap gained (its index in the template's gaps).
+    Fill {
+        gap: usize,
+        text: String,
+    },
+    Done {
+        finish_reason: &'static str,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        figures: Figures,
+    },
+    /// One step of the decode drawn (`decode_events`): a `refusion.step` event's JSON.
+    Step(String),
+    /// The stream is over (after `Done`).
+    End,
+    Error(ApiError),
+}
+
+/// How the answer was decoded, for llama-server's `timings` and the web page.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Figures {
+    /// From admission to the end.
+    pub decode_ms: f64,
+    pub forward_calls: usize,
+    /// The reference's tokens per forward (none when the decode was cut short).
+    pub tpf: Option<f64>,
+}
+
+impl Figures {
+    /// llama-server's `timings` object, with ReFusion's figures beside.
+    pub fn timings(&self, prompt_tokens: usize, completion_tokens: usize) -> serde_json::Value {
+        let per_s = completion_tokens as f64 / (self.decode_ms / 1e3).max(1e-9);
+        serde_json::json!({
+            "prompt_n": prompt_tokens,
+            "predicted_n": completion_tokens,
+            "predicted_ms": self.decode_ms,
+            "predicted_per_second": per_s,
+            "forward_calls": self.forward_calls,
+            "tpf": self.tpf,
+        })
+    }
+}
 
 /// When dropped (the response, or its stream, went away): sets the job's cancel flag, and
 /// takes the job out of the queue if it still waits there, so that its place is free at once.
@@ -40,7 +100,8 @@ pub(super) fn now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Queues a job (a full queue is a 503); `template`: gaps to fill in its answer.
+/// Checks a request and queues it as a job (a mistake is a 400 before it takes a place; a full
+/// queue is a 503); `template`: gaps to fill in its answer.
 pub(super) fn enqueue(
     state: &AppState,
     input: JobInput,
@@ -52,12 +113,11 @@ pub(super) fn enqueue(
         Phase::Failed(reason) => return Err(worker_failed(&reason)),
         Phase::Stopped => return Err(worker_failed("it has stopped")),
     }
+    let request = state.prepare.prepare(&input, &knobs, template.as_ref())?;
     let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let sent = state.jobs.push(Job {
-        input,
-        knobs,
-        template,
+        request,
         cancel: cancel.clone(),
         tx,
     });
@@ -131,7 +191,7 @@ pub(super) struct Collected {
     pub(super) finish_reason: &'static str,
     pub(super) prompt_tokens: usize,
     pub(super) completion_tokens: usize,
-    pub(super) figures: super::worker::Figures,
+    pub(super) figures: Figures,
 }
 
 /// Collects a non-streamed answer.

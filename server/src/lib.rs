@@ -10,6 +10,7 @@
 //! health and metrics routes, and the server's start and shutdown.
 
 mod access;
+mod answer;
 pub mod api;
 mod body;
 mod conn;
@@ -20,8 +21,11 @@ mod jobs;
 mod llama;
 mod ollama;
 mod openai;
+mod prepare;
 mod queue;
+mod shutdown;
 mod signals;
+mod stop;
 mod webui;
 pub mod worker;
 
@@ -43,9 +47,11 @@ use self::body::{read_body, BodyLimits};
 pub use self::conn::ConnLimits;
 pub use self::cors::Cors;
 pub use self::ollama::ModelCard;
+use self::prepare::Preparer;
 use self::queue::{FailOnPanic, JobQueue, Phase, WorkerState};
+use self::shutdown::Shutdown;
 use self::signals::Signals;
-use self::worker::{Limits, Load, Shutdown};
+use self::worker::{Limits, Load};
 use refusion_engine::error::{Error, Result};
 use refusion_engine::load::runtime::Loaded;
 
@@ -63,8 +69,11 @@ pub struct ServerConfig {
     pub webui: bool,
 }
 
-struct AppState {
+/// What the handlers share (every API's files use it).
+pub(crate) struct AppState {
     jobs: Arc<JobQueue>,
+    /// Checks a request and builds its prompt before it is queued.
+    prepare: Preparer,
     /// Whether the worker can take requests (`/health`).
     worker: Arc<WorkerState>,
     model: String,
@@ -204,6 +213,7 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
     let tokenizer = loaded.tokenizer.clone();
     let vocab = refusion_engine::model::Forward::config(&loaded.model).vocab;
     let props = props(&loaded, &limits);
+    let prepare = Preparer::new(&loaded, &limits);
     let shutdown = Arc::new(Shutdown::default());
     let jobs = Arc::new(JobQueue::new(cfg.queue));
     let worker_state = Arc::new(WorkerState::default());
@@ -232,6 +242,7 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
     let app = router(
         AppState {
             jobs: jobs.clone(),
+            prepare,
             worker: worker_state.clone(),
             model: cfg.model_name.clone(),
             api_key: cfg.api_key.clone(),

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::api::{parse, ApiError};
-use super::AppState;
+use crate::AppState;
 
 #[derive(Debug, Deserialize)]
 struct TokenizeRequest {

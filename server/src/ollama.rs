@@ -23,8 +23,9 @@ use tokio_stream::StreamExt;
 use super::api::{parse, ApiError, ChatMessage, Knobs, Stop};
 use super::fill::{FillSource, FillSpec};
 use super::jobs::{collect, submit};
-use super::worker::{JobInput, Msg};
-use super::AppState;
+use crate::jobs::Msg;
+use crate::prepare::JobInput;
+use crate::AppState;
 use refusion_engine::chat::Message;
 
 /// What `/api/tags` and `/api/show` tell about the one model served.

@@ -16,8 +16,9 @@ use tokio_stream::StreamExt;
 use super::api::{parse_with_knobs, ApiError, ChatRequest, CompletionRequest, PromptField};
 use super::fill::{stitch, FillSource, FillSpec};
 use super::jobs::{collect, enqueue, now, started, submit, usage, UsageTail};
-use super::worker::{JobInput, Msg};
-use super::AppState;
+use crate::jobs::Msg;
+use crate::prepare::JobInput;
+use crate::AppState;
 use refusion_engine::chat::Message;
 use refusion_engine::decode::TextPiece;
 

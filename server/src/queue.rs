@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::worker::Job;
+use crate::jobs::Job;
 
 pub struct JobQueue {
     state: Mutex<State>,
@@ -203,9 +203,16 @@ mod tests {
     fn job() -> Job {
         let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
         Job {
-            input: super::super::worker::JobInput::Tokens(vec![1]),
-            knobs: Default::default(),
-            template: None,
+            request: crate::prepare::Prepared {
+                prompt: vec![1],
+                params: refusion_engine::decode::DecodeParams::new(
+                    refusion_gguf::DecodingDefaults::default(),
+                    2,
+                    1,
+                ),
+                stops: Vec::new(),
+                decode_events: false,
+            },
             cancel: Arc::new(AtomicBool::new(false)),
             tx,
         }
