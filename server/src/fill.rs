@@ -61,10 +61,11 @@ impl FillSpec {
         vocab: usize,
         max_gen: u32,
     ) -> Result<DecodeParams, ApiError> {
-        if params.strategy == refusion_engine::decode::Kind::Autoregressive {
+        // Gaps are filled by slot decoding (a template turns plain slot decoding into infill).
+        if !params.strategy.method().uses_slots() {
             return Err(ApiError::bad_request(format!(
-                "strategy 'ar' cannot fill gaps (a {} asks for them): gaps are filled by slot decoding",
-                self.field
+                "strategy '{}' cannot fill gaps (a {} asks for them): gaps are filled by slot decoding",
+                params.strategy, self.field
             ))
             .param("strategy"));
         }

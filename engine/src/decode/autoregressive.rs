@@ -128,3 +128,44 @@ impl Strategy for Autoregressive {
         }
     }
 }
+
+/// Left-to-right decoding as a strategy (`--strategy ar`): the baseline to compare slot
+/// decoding with on one file.
+pub struct LeftToRight;
+
+impl super::strategy::Method for LeftToRight {
+    fn name(&self) -> &'static str {
+        "ar"
+    }
+    fn aliases(&self) -> &'static [&'static str] {
+        &["autoregressive"]
+    }
+    fn uses_slots(&self) -> bool {
+        false
+    }
+    /// Its first forward needs the prompt's last token's logits, so feeds at least that token.
+    fn max_reuse(&self, prompt_len: usize) -> usize {
+        prompt_len.saturating_sub(1)
+    }
+    /// The token being fed.
+    fn scratch(&self, _params: &DecodeParams) -> usize {
+        1
+    }
+    /// Slots and serial blocks are slot decoding's: any gen length works without them.
+    fn checked(
+        &self,
+        mut d: refusion_gguf::DecodingDefaults,
+        _params: &DecodeParams,
+    ) -> Result<refusion_gguf::DecodingDefaults, crate::error::RequestError> {
+        (d.slot_size, d.serial_blocks) = (1, 1);
+        Ok(d)
+    }
+    fn start(
+        &self,
+        prompt: &[u32],
+        cached: usize,
+        params: &DecodeParams,
+    ) -> Box<dyn super::Strategy> {
+        Box::new(Autoregressive::new(prompt, cached, params))
+    }
+}

@@ -12,6 +12,7 @@
 
 mod autoregressive;
 mod fit;
+mod infill;
 mod noise;
 mod overrides;
 mod params;
@@ -158,7 +159,7 @@ pub fn check(prompt: &[u32], params: &DecodeParams, vocab: usize, capacity: usiz
     if let Some(&token) = prompt.iter().find(|&&t| t as usize >= vocab) {
         return Err(RequestError::OutsideVocabulary { token, vocab }.into());
     }
-    if params.strategy == Kind::Infill {
+    if params.strategy.method().fills_gaps() {
         let t = params.answer_template();
         t.validate_for(params.mask_id, vocab, params.slot_size)?;
     }

@@ -68,17 +68,18 @@ impl DecodeParams {
     /// The most answer tokens a front end shows: the gen length (a template's fills are
     /// bounded by their gaps instead).
     pub fn answer_limit(&self) -> usize {
-        match self.strategy {
-            super::Kind::Infill => usize::MAX,
-            _ => self.gen_length as usize,
+        if self.strategy.method().fills_gaps() {
+            usize::MAX
+        } else {
+            self.gen_length as usize
         }
     }
 
     /// Positions the answer takes after the prompt: the padded gen length, or a template's
     /// spans and padded gaps (saturating at u32::MAX for what [`Self::validate`] refuses).
     pub fn answer_len(&self) -> u32 {
-        match (self.strategy, &self.template) {
-            (super::Kind::Infill, Some(t)) => {
+        match &self.template {
+            Some(t) if self.strategy.method().fills_gaps() => {
                 u32::try_from(t.positions(self.slot_size)).unwrap_or(u32::MAX)
             }
             _ => self.padded_gen_length(),
@@ -136,26 +137,10 @@ impl DecodeParams {
 
     /// Whether these parameters can be decoded with: a caller's mistake when not.
     pub fn validate(&self) -> std::result::Result<(), RequestError> {
-        let mut d = self.defaults();
-        match self.strategy {
-            super::Kind::Slots => {}
-            // Slots and serial blocks are slot decoding's: any gen length works without them.
-            super::Kind::Autoregressive => (d.slot_size, d.serial_blocks) = (1, 1),
-            // Gaps are cut into blocks of the gen length's block length (at least a slot):
-            // any number of serial blocks works.
-            super::Kind::Infill => {
-                if !(1..=refusion_gguf::decoding::MAX_TOKENS).contains(&self.serial_blocks) {
-                    return Err(RequestError::Params(format!(
-                        "serial blocks must be in 1..={}, got {}",
-                        refusion_gguf::decoding::MAX_TOKENS,
-                        self.serial_blocks
-                    )));
-                }
-                d.serial_blocks = 1;
-            }
-        }
+        let method = self.strategy.method();
+        let d = method.checked(self.defaults(), self)?;
         d.validate().map_err(RequestError::Params)?;
-        if self.template.is_some() && self.strategy != super::Kind::Infill {
+        if self.template.is_some() && !method.fills_gaps() {
             return Err(RequestError::Template(format!(
                 "gaps are filled by slot decoding; strategy '{}' cannot fill them",
                 self.strategy

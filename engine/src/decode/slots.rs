@@ -601,3 +601,27 @@ fn want(b: &mut Batch, logit_row: &mut Vec<usize>, wanted: impl Fn(usize) -> boo
 fn logits_of<'l>(logits: &LogitsRef<'l>, logit_row: &[usize], b: usize) -> &'l [f32] {
     logits.row(logit_row[b])
 }
+
+/// ReFusion's slot decoding as a strategy (`--strategy slots`, the default).
+pub struct Slots;
+
+impl super::strategy::Method for Slots {
+    fn name(&self) -> &'static str {
+        "slots"
+    }
+    fn aliases(&self) -> &'static [&'static str] {
+        &["slot"]
+    }
+    /// One serial block: the planning forward's masks.
+    fn scratch(&self, params: &DecodeParams) -> usize {
+        params.block_len() as usize
+    }
+    fn start(
+        &self,
+        prompt: &[u32],
+        cached: usize,
+        params: &DecodeParams,
+    ) -> Box<dyn super::Strategy> {
+        Box::new(SlotDecoder::new(prompt, cached, params))
+    }
+}

@@ -3,11 +3,14 @@
 //! next (or says it is done), [`Strategy::feed`] takes that batch's logits back, and
 //! [`Strategy::result`] gives the answer. The single-request loop
 //! ([`super::generate_cancellable`]) and the scheduler ([`crate::sched`]) drive every strategy
-//! the same way, so a new one is a file implementing the trait, a [`Kind`] variant and its
-//! line in [`start`].
+//! the same way. What the rest of the program needs to know about a strategy (its name, the
+//! cache it needs, the parameters it accepts, how it starts) is its [`Method`], in the
+//! strategy's own file; a new strategy is that file plus its line in [`Kind`].
+
+use refusion_gguf::DecodingDefaults;
 
 use super::{DecodeParams, DecodeResult, Event};
-use crate::error::Result;
+use crate::error::{RequestError, Result};
 use crate::kv::SeqCache;
 use crate::model::{Batch, LogitsRef};
 
@@ -42,53 +45,79 @@ pub trait Strategy: Send {
     fn result(&mut self) -> DecodeResult;
 }
 
-/// The strategies there are (`--strategy`, the API's `strategy`).
+/// One way of decoding as the rest of the program sees it, implemented in the strategy's file.
+pub trait Method: Sync {
+    /// Its name (`--strategy`, the API's `strategy`).
+    fn name(&self) -> &'static str;
+    /// Other names it answers to.
+    fn aliases(&self) -> &'static [&'static str] {
+        &[]
+    }
+    /// Whether it decodes in slots (slot size and serial blocks mean something to it; a
+    /// template's gaps can be filled by it).
+    fn uses_slots(&self) -> bool {
+        true
+    }
+    /// Whether it fills an answer template's gaps (the answer is the template's fills, each
+    /// bounded by its gap rather than by the gen length).
+    fn fills_gaps(&self) -> bool {
+        false
+    }
+    /// The most prompt tokens a decode may find already cached.
+    fn max_reuse(&self, prompt_len: usize) -> usize {
+        prompt_len
+    }
+    /// Cache entries a decode needs beyond its prompt and answer, for its speculative rows.
+    fn scratch(&self, params: &DecodeParams) -> usize;
+    /// The decoding settings as this strategy checks them: `d` as given, with what it does
+    /// not use set to what always passes; a mistake of its own is the caller's.
+    fn checked(
+        &self,
+        d: DecodingDefaults,
+        _params: &DecodeParams,
+    ) -> std::result::Result<DecodingDefaults, RequestError> {
+        Ok(d)
+    }
+    /// Its decoder over `prompt`, whose first `cached` tokens are the sequence's already.
+    fn start(&self, prompt: &[u32], cached: usize, params: &DecodeParams) -> Box<dyn Strategy>;
+}
+
+/// The strategies there are (`--strategy`, the API's `strategy`); each is its [`Method`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Kind {
     /// ReFusion's slot decoding, as the reference's `generate_refusion` (`slots.rs`).
     #[default]
     Slots,
-    /// Plain left-to-right decoding, one token per forward, greedy (or with the planning
-    /// noise at a temperature): the baseline to compare slot decoding with on one file
-    /// (`autoregressive.rs`).
+    /// Plain left-to-right decoding, one token per forward (`autoregressive.rs`).
     Autoregressive,
-    /// Any-order generation: a template's known spans committed at their positions, its
-    /// gaps decoded by slot decoding's plan, verify and infill (`template.rs`,
-    /// `slots/layout.rs`). Without a template, one gap of the gen length.
+    /// Any-order generation: an answer template's gaps filled (`infill.rs`).
     Infill,
 }
 
 impl Kind {
     pub const ALL: [Kind; 3] = [Kind::Slots, Kind::Autoregressive, Kind::Infill];
 
+    /// The strategy itself (the one place a kind is matched).
+    pub fn method(self) -> &'static dyn Method {
+        match self {
+            Kind::Slots => &super::slots::Slots,
+            Kind::Autoregressive => &super::autoregressive::LeftToRight,
+            Kind::Infill => &super::infill::AnyOrder,
+        }
+    }
+
     pub fn name(self) -> &'static str {
-        match self {
-            Kind::Slots => "slots",
-            Kind::Autoregressive => "ar",
-            Kind::Infill => "infill",
-        }
+        self.method().name()
     }
 
-    /// The most prompt tokens a decode may find already cached: slot decoding's planning
-    /// forward needs none of the prompt, left-to-right decoding needs its last token's logits,
-    /// so feeds at least that token.
+    /// The most prompt tokens a decode may find already cached ([`Method::max_reuse`]).
     pub fn max_reuse(self, prompt_len: usize) -> usize {
-        match self {
-            Kind::Slots | Kind::Infill => prompt_len,
-            Kind::Autoregressive => prompt_len.saturating_sub(1),
-        }
+        self.method().max_reuse(prompt_len)
     }
 
-    /// Cache entries a decode needs beyond its prompt and answer, for its speculative rows.
+    /// Cache entries a decode needs beyond its prompt and answer ([`Method::scratch`]).
     pub fn scratch(self, params: &DecodeParams) -> usize {
-        match self {
-            // One serial block: the planning forward's masks.
-            Kind::Slots => params.block_len() as usize,
-            // The token being fed.
-            Kind::Autoregressive => 1,
-            // The largest serial block: every gap's share of slots in it.
-            Kind::Infill => super::slots::infill_scratch(params),
-        }
+        self.method().scratch(params)
     }
 }
 
@@ -96,14 +125,9 @@ impl std::str::FromStr for Kind {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Kind, String> {
         let s = s.to_ascii_lowercase();
-        match s.as_str() {
-            "autoregressive" => return Ok(Kind::Autoregressive),
-            "slot" => return Ok(Kind::Slots),
-            _ => {}
-        }
         Kind::ALL
             .into_iter()
-            .find(|k| k.name() == s)
+            .find(|k| k.name() == s || k.method().aliases().contains(&s.as_str()))
             .ok_or_else(|| {
                 let names: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
                 format!("unknown strategy '{s}' (expected {})", names.join(", "))
@@ -121,14 +145,5 @@ impl std::fmt::Display for Kind {
 /// [`Kind::max_reuse`]) are already the sequence's shared entries. The caller has checked the
 /// prompt and the cache's room ([`super::check`]).
 pub fn start(prompt: &[u32], cached: usize, params: &DecodeParams) -> Box<dyn Strategy> {
-    match params.strategy {
-        Kind::Slots => Box::new(super::slots::SlotDecoder::new(prompt, cached, params)),
-        Kind::Autoregressive => Box::new(super::autoregressive::Autoregressive::new(
-            prompt, cached, params,
-        )),
-        Kind::Infill if params.answer_template().fits() => {
-            Box::new(super::fit::Fit::new(prompt, cached, params))
-        }
-        Kind::Infill => Box::new(super::slots::SlotDecoder::infill(prompt, cached, params)),
-    }
+    params.strategy.method().start(prompt, cached, params)
 }

@@ -3,7 +3,7 @@
 //! or infilled). One source for the terminal's `--visual` canvas and the server's
 //! `refusion.step` events, which the web page draws.
 
-use super::{DecodeParams, Event, Kind};
+use super::{DecodeParams, Event};
 
 /// What a position holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,9 +88,10 @@ impl Trace {
             slot_runs: Vec::new(),
         };
         let k = params.slot_size.max(1);
-        match (params.strategy, &params.template) {
-            (Kind::Autoregressive, _) => t.slot_size = 0,
-            (Kind::Infill, Some(template)) => t.lay_out(template),
+        let method = params.strategy.method();
+        match &params.template {
+            _ if !method.uses_slots() => t.slot_size = 0,
+            Some(template) if method.fills_gaps() => t.lay_out(template),
             _ => t.slot_runs = vec![(0, len as u32 / k)],
         }
         t

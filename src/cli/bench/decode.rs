@@ -70,7 +70,7 @@ impl Setting {
     /// What the row's test column says: `card k4 b32 .6/.3`.
     pub fn label(&self) -> String {
         let p = &self.params;
-        if p.strategy == Kind::Autoregressive {
+        if !p.strategy.method().uses_slots() {
             return format!("decode {} (left to right)", self.name);
         }
         format!(
