@@ -2,8 +2,24 @@
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// What the run was asked for cannot be had here: a device, a context, a memory plan that
+    /// does not fit, a setting of the environment. The user's to change (a flag), checked
+    /// before heavy work.
     #[error("{0}")]
-    Msg(String),
+    Setup(String),
+    /// The system refused what the run needs: memory, a `--kv-file`'s I/O, a device
+    /// allocation.
+    #[error("{0}")]
+    Resource(String),
+    /// An error about the file at `path` (the model being loaded).
+    #[error("{}: {source}", path.display())]
+    InFile {
+        path: std::path::PathBuf,
+        source: Box<Error>,
+    },
+    /// A forward that every request in it shared failed (each gets this).
+    #[error("{0}")]
+    Forward(String),
     /// The model file's contents are not what the model needs (metadata, tensor shapes or
     /// types, tokenizer): the file's fault, not the request's.
     #[error("{0}")]
@@ -57,8 +73,12 @@ pub enum RequestError {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    pub fn msg(m: impl Into<String>) -> Error {
-        Error::Msg(m.into())
+    pub fn setup(m: impl Into<String>) -> Error {
+        Error::Setup(m.into())
+    }
+
+    pub fn resource(m: impl Into<String>) -> Error {
+        Error::Resource(m.into())
     }
 
     pub fn model(m: impl Into<String>) -> Error {

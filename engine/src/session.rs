@@ -83,7 +83,7 @@ impl<'m, M: Forward + ?Sized> Session<'m, M> {
         let t = self
             .template
             .as_ref()
-            .ok_or_else(|| Error::msg("the model file has no chat template"))?;
+            .ok_or_else(|| Error::model("the model file has no chat template"))?;
         self.tokenizer.encode(&t.render(messages, true)?)
     }
 

@@ -11,8 +11,8 @@ use axum::response::{IntoResponse, Response};
 
 use super::api::ApiError;
 use super::body::discard_body;
+use crate::error::{Result, ServeError};
 use crate::AppState;
-use refusion_engine::error::{Error, Result};
 
 /// Middleware: every route but `/health` and the web page's files needs the key when one is
 /// set, checked before the body is read.
@@ -73,19 +73,20 @@ pub(super) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// none) and an address beyond loopback without a key. Called before the model loads.
 pub fn check_access(host: IpAddr, api_key: Option<&str>) -> Result<()> {
     if api_key.is_some_and(|k| k.is_empty()) {
-        return Err(Error::msg(
-            "--api-key must not be empty: pass a secret, or leave the flag out on loopback",
+        return Err(ServeError::Config(
+            "--api-key must not be empty: pass a secret, or leave the flag out on loopback".into(),
         ));
     }
     // HTTP trims spaces around header values and carries only visible ASCII in a bearer token:
     // such a key could never be matched.
     if api_key.is_some_and(|k| !k.bytes().all(|b| b.is_ascii_graphic())) {
-        return Err(Error::msg(
-            "--api-key must be visible ASCII characters only (no spaces or control characters)",
+        return Err(ServeError::Config(
+            "--api-key must be visible ASCII characters only (no spaces or control characters)"
+                .into(),
         ));
     }
     if !host.is_loopback() && api_key.is_none() {
-        return Err(Error::msg(format!(
+        return Err(ServeError::Config(format!(
             "binding to {host} exposes the server beyond this machine: pass --api-key (or bind 127.0.0.1)"
         )));
     }

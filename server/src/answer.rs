@@ -5,7 +5,6 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use axum::http::StatusCode;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::ApiError;
@@ -16,7 +15,7 @@ use crate::shutdown::{shutting_down, Shutdown};
 use crate::stop::StopFilter;
 use refusion_engine::chat::{TextStream, Tokenizer};
 use refusion_engine::decode::{Event, Trace};
-use refusion_engine::error::{Error, RequestError};
+use refusion_engine::error::Error;
 use refusion_engine::sched::{Sink, Update};
 
 /// The scheduler's sink for `request`: every update becomes the client's messages on `tx`;
@@ -162,31 +161,6 @@ impl<'t> Steps<'t> {
     }
 }
 
-/// A caller's mistake is a 400, anything else a 500.
-fn api_error(e: Error) -> ApiError {
-    match e {
-        Error::Request(r) => {
-            let err = ApiError::bad_request(r.to_string());
-            match r {
-                RequestError::EmptyPrompt
-                | RequestError::MaskInPrompt { .. }
-                | RequestError::OutsideVocabulary { .. } => err.param("prompt"),
-                RequestError::TooLong { .. } => err.param("max_tokens"),
-                RequestError::Field { field, .. } => err.param(field),
-                RequestError::Params(_) => err,
-                // The front ends check their templates first and name their own field; this
-                // is the completions' one.
-                RequestError::Template(_) => err.param("suffix"),
-            }
-        }
-        e => ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "server_error",
-            e.to_string(),
-        ),
-    }
-}
-
 /// One answer on its way to the client: the committed text, cut at a stop string (a
 /// template's: each gap's).
 struct Answer<'t> {
@@ -323,7 +297,7 @@ impl Answer<'_> {
                 tracing::info!("the client went away; its generation was cancelled");
                 Ok(Vec::new())
             }
-            Err(e) => Err(api_error(e)),
+            Err(e) => Err(e.into()),
         }
     }
 }

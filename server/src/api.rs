@@ -5,6 +5,8 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{json, Value as Json};
 
+use refusion_engine::error::{Error, RequestError};
+
 /// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -375,6 +377,37 @@ fn plain(path: &str, msg: &str) -> String {
         }
     } else {
         format!("is invalid ({msg})")
+    }
+}
+
+/// The one place an engine error becomes an HTTP answer: a caller's mistake is a 400 naming
+/// its field, the system's refusal a 503, anything else a 500.
+impl From<Error> for ApiError {
+    fn from(e: Error) -> ApiError {
+        match e {
+            Error::Request(r) => {
+                let err = ApiError::bad_request(r.to_string());
+                match r {
+                    RequestError::EmptyPrompt
+                    | RequestError::MaskInPrompt { .. }
+                    | RequestError::OutsideVocabulary { .. } => err.param("prompt"),
+                    RequestError::TooLong { .. } => err.param("max_tokens"),
+                    RequestError::Field { field, .. } => err.param(field),
+                    RequestError::Params(_) => err,
+                    // The front ends check their templates first and name their own field; this
+                    // is the completions' one.
+                    RequestError::Template(_) => err.param("suffix"),
+                }
+            }
+            Error::Resource(m) => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", m)
+            }
+            e => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                e.to_string(),
+            ),
+        }
     }
 }
 

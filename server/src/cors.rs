@@ -21,7 +21,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::api::ApiError;
 use super::body::{discard_body, BodyLimits};
-use refusion_engine::error::{Error, Result};
+use crate::error::{Result, ServeError};
 
 /// The origins allowed beyond loopback, and the host names a loopback server answers to.
 #[derive(Clone)]
@@ -49,8 +49,9 @@ impl Cors {
         for o in origins {
             if o == "*" {
                 if api_key.is_none() {
-                    return Err(Error::msg(
-                        "--cors-origin '*' lets any web page call the server: it needs --api-key",
+                    return Err(ServeError::Config(
+                        "--cors-origin '*' lets any web page call the server: it needs --api-key"
+                            .into(),
                     ));
                 }
                 cors.any = true;
@@ -60,7 +61,7 @@ impl Cors {
                 }
                 cors.origins.push(origin);
             } else {
-                return Err(Error::msg(format!(
+                return Err(ServeError::Config(format!(
                     "--cors-origin '{o}' is not an origin: give scheme://host[:port] (http://example.com:3000), or '*'"
                 )));
             }

@@ -113,7 +113,9 @@ pub(super) fn enqueue(
         Phase::Failed(reason) => return Err(worker_failed(&reason)),
         Phase::Stopped => return Err(worker_failed("it has stopped")),
     }
-    let request = state.prepare.prepare(&input, &knobs, template.as_ref())?;
+    // Rendering and tokenizing a long prompt takes a while: other tasks move off this thread.
+    let request =
+        tokio::task::block_in_place(|| state.prepare.prepare(&input, &knobs, template.as_ref()))?;
     let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let sent = state.jobs.push(Job {

@@ -15,6 +15,7 @@ pub mod api;
 mod body;
 mod conn;
 mod cors;
+mod error;
 mod fill;
 mod infill;
 mod jobs;
@@ -46,13 +47,13 @@ use self::api::ApiError;
 use self::body::{read_body, BodyLimits};
 pub use self::conn::ConnLimits;
 pub use self::cors::Cors;
+pub use self::error::{Result, ServeError};
 pub use self::ollama::ModelCard;
 use self::prepare::Preparer;
 use self::queue::{FailOnPanic, JobQueue, Phase, WorkerState};
 use self::shutdown::Shutdown;
 use self::signals::Signals;
 use self::worker::{Limits, Load};
-use refusion_engine::error::{Error, Result};
 use refusion_engine::load::runtime::Loaded;
 
 pub struct ServerConfig {
@@ -197,17 +198,17 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| Error::msg(format!("cannot start the async runtime: {e}")))?;
+        .map_err(|e| ServeError::System(format!("cannot start the async runtime: {e}")))?;
     let addr = SocketAddr::new(cfg.host, cfg.port);
     let (listener, signals) = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .map_err(|e| Error::msg(format!("cannot listen on {addr}: {e}")))?;
-        Ok::<_, Error>((listener, Signals::new()?))
+            .map_err(|e| ServeError::System(format!("cannot listen on {addr}: {e}")))?;
+        Ok::<_, ServeError>((listener, Signals::new()?))
     })?;
     let local = listener
         .local_addr()
-        .map_err(|e| Error::msg(e.to_string()))?;
+        .map_err(|e| ServeError::System(e.to_string()))?;
 
     let card = ollama::ModelCard::of(&loaded.file);
     let tokenizer = loaded.tokenizer.clone();
@@ -233,7 +234,7 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
                 let outcome = worker::run(loaded, limits, &jobs, &shutdown, &load, &state);
                 state.finish(outcome.map_err(|e| e.to_string()));
             })
-            .map_err(|e| Error::msg(format!("cannot start the worker: {e}")))?
+            .map_err(|e| ServeError::System(format!("cannot start the worker: {e}")))?
     };
     let body = BodyLimits {
         max_bytes: cfg.max_body_bytes,
@@ -303,7 +304,7 @@ pub fn serve(loaded: Loaded, limits: Limits, cfg: ServerConfig) -> Result<()> {
     });
     rt.shutdown_timeout(std::time::Duration::from_millis(100));
     if let Phase::Failed(reason) = outcome.get() {
-        return Err(Error::msg(reason));
+        return Err(ServeError::Worker(reason));
     }
     eprintln!("refusion serve: stopped");
     Ok(())

@@ -3,7 +3,7 @@
 //! "at least one more" and would merge a second signal sent right after the first, and once
 //! the drain has ended nothing would be left to hear it.
 
-use refusion_engine::error::Result;
+use crate::error::Result;
 
 #[cfg(unix)]
 static RECEIVED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -12,7 +12,7 @@ static RECEIVED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize
 /// one line on stderr. Only async-signal-safe calls (an atomic add, `write`, `_exit`).
 #[cfg(unix)]
 fn install_second_signal_exit() -> Result<()> {
-    use refusion_engine::error::Error;
+    use crate::error::ServeError;
     fn on_signal(msg: &'static [u8]) {
         if RECEIVED.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= 1 {
             // SAFETY: write(2) and _exit(2) are async-signal-safe; `msg` is a static buffer.
@@ -34,7 +34,7 @@ fn install_second_signal_exit() -> Result<()> {
     ] {
         // SAFETY: the action only calls async-signal-safe functions (above).
         unsafe { signal_hook_registry::register(sig, move || on_signal(msg)) }
-            .map_err(|e| Error::msg(format!("cannot handle signals: {e}")))?;
+            .map_err(|e| ServeError::System(format!("cannot handle signals: {e}")))?;
     }
     Ok(())
 }
@@ -51,10 +51,11 @@ impl Signals {
     pub fn new() -> Result<Signals> {
         #[cfg(unix)]
         {
-            use refusion_engine::error::Error;
+            use crate::error::ServeError;
             use tokio::signal::unix::{signal, SignalKind};
-            let install =
-                |kind| signal(kind).map_err(|e| Error::msg(format!("cannot handle signals: {e}")));
+            let install = |kind| {
+                signal(kind).map_err(|e| ServeError::System(format!("cannot handle signals: {e}")))
+            };
             let signals = Signals {
                 int: install(SignalKind::interrupt())?,
                 term: install(SignalKind::terminate())?,

@@ -191,7 +191,7 @@ pub fn generate_cancellable<M: Forward + ?Sized>(
     check(prompt, params, model.config().vocab, cache.shape().capacity)?;
     let cached = cache.shared_len();
     if cached > prompt.len() {
-        return Err(Error::msg(
+        return Err(Error::internal(
             "the KV cache holds more entries than the prompt",
         ));
     }

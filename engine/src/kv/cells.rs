@@ -521,7 +521,7 @@ impl Cells {
         let s = self.seq(id)?;
         let r = self.region(s.region);
         if !s.borrowed.is_empty() || positions.len() > r.len {
-            return Err(Error::msg(format!(
+            return Err(Error::internal(format!(
                 "{} entries do not fit the sequence's {} slots",
                 positions.len(),
                 r.len

@@ -45,7 +45,7 @@ impl DeviceStore {
             (Some(d), _) => d,
             (None, None) => DType::F32,
             (None, Some(_)) => {
-                return Err(Error::msg(format!(
+                return Err(Error::setup(format!(
                     "the {} KV cache has no GPU path yet: use -ngl 0, or --cache-type f16",
                     ty.name()
                 )))
@@ -56,7 +56,7 @@ impl DeviceStore {
             for l in 0..n.min(shape.n_layers) {
                 let zeros = || {
                     Tensor::zeros(dims, dtype, dev).map_err(|e| {
-                        Error::msg(format!(
+                        Error::resource(format!(
                             "cannot allocate the KV cache of layer {l} on {:?}: {e}",
                             dev.location()
                         ))

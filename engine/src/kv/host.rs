@@ -45,7 +45,7 @@ fn open_cache_file(
     bytes: usize,
 ) -> Result<(File, MmapMut)> {
     use std::io::{Read, Seek, SeekFrom, Write};
-    let io = |e: std::io::Error| Error::msg(format!("{}: {e}", p.display()));
+    let io = |e: std::io::Error| Error::resource(format!("{}: {e}", p.display()));
     let file = match claim(p, CacheFile::Live, None)? {
         Claim::Absent => OpenOptions::new()
             .read(true)
@@ -69,7 +69,7 @@ fn open_cache_file(
                 && super::claim::links(&meta) == 1
                 && (meta.len() == 0 || (f.read_exact(&mut head).is_ok() && &head == LIVE_MAGIC));
             if !ours {
-                return Err(Error::msg(format!(
+                return Err(Error::resource(format!(
                     "{}: changed while being opened; refusing to overwrite it",
                     p.display()
                 )));
@@ -80,7 +80,7 @@ fn open_cache_file(
     match file.try_lock() {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => {
-            return Err(Error::msg(format!(
+            return Err(Error::resource(format!(
                 "{}: in use by another refusion (each run needs its own --kv-file)",
                 p.display()
             )))
@@ -90,7 +90,7 @@ fn open_cache_file(
     let len = bytes.max(1);
     let total = (len as u64)
         .checked_add(FILE_HEADER_BYTES)
-        .ok_or_else(|| Error::msg("KV cache size overflows"))?;
+        .ok_or_else(|| Error::resource("KV cache size overflows"))?;
     // Cleared first: the old entries are another run's and must not be read as ours.
     file.set_len(0).map_err(io)?;
     file.set_len(total).map_err(io)?;
@@ -137,7 +137,7 @@ impl HostStore {
         let n_layers = shape.n_layers - first_layer;
         let bytes = (n_layers * 2 * shape.n_kv_heads * ty.kind().row_bytes(shape.head_dim))
             .checked_mul(shape.capacity)
-            .ok_or_else(|| Error::msg("KV cache size overflows"))?;
+            .ok_or_else(|| Error::resource("KV cache size overflows"))?;
         let mut _file = None;
         let mmap = match path {
             None => MmapOptions::new()
@@ -145,7 +145,7 @@ impl HostStore {
                 .populate()
                 .map_anon()
                 .map_err(|e| {
-                    Error::msg(format!(
+                    Error::resource(format!(
                         "cannot reserve {bytes} bytes for the KV cache: {e}"
                     ))
                 })?,
@@ -268,6 +268,6 @@ impl HostStore {
     pub fn flush(&self) -> Result<()> {
         self.mmap
             .flush()
-            .map_err(|e| Error::msg(format!("flushing the KV cache: {e}")))
+            .map_err(|e| Error::resource(format!("flushing the KV cache: {e}")))
     }
 }

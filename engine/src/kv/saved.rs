@@ -177,7 +177,7 @@ impl KvCache {
             .filter(|&s| (self.cells.slot_position(s) as usize) < n)
             .collect();
         if slots.len() != n {
-            return Err(Error::msg(format!(
+            return Err(Error::internal(format!(
                 "the cache holds {} of the {n} positions to save",
                 slots.len()
             )));
@@ -250,7 +250,7 @@ impl KvCache {
         check_extra(&body[8 * n..8 * n + extra_len]).map_err(|m| bad(&m))?;
         self.crop(0);
         self.restore(body, n, extra_len).map_err(|e| match e {
-            Error::Msg(m) => bad(&m),
+            Error::Internal(m) => bad(&m),
             e => e,
         })
     }

@@ -72,14 +72,14 @@ fn open_cuda(n: usize) -> Result<Device> {
             .unwrap_or("unknown error")
             .trim()
             .to_string();
-        Error::msg(format!("cannot open CUDA device {n}: {first}"))
+        Error::setup(format!("cannot open CUDA device {n}: {first}"))
     })?;
     if let (Device::Cuda(cd), Some(built)) = (&device, BUILT_FOR_CAP) {
         let ctx = cd.cuda_stream().context().clone();
         if let Ok((major, minor)) = ctx.compute_capability() {
             let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
             check_compute_cap(built, major, minor)
-                .map_err(|e| Error::msg(format!("CUDA device {n} ({name}): {e}")))?;
+                .map_err(|e| Error::setup(format!("CUDA device {n} ({name}): {e}")))?;
         }
     }
     Ok(device)
@@ -139,7 +139,7 @@ fn gpu_info(_device: &Device) -> Option<GpuInfo> {
 
 #[cfg(not(feature = "cuda"))]
 fn open_cuda(_n: usize) -> Result<Device> {
-    Err(Error::msg(
+    Err(Error::setup(
         "this refusion was built without CUDA (rebuild with `--features cuda`)",
     ))
 }
@@ -210,7 +210,7 @@ impl Loaded {
         if self.kv_file.is_none() {
             if let Some(avail) = available_memory() {
                 if kv_bytes > avail {
-                    return Err(Error::msg(format!(
+                    return Err(Error::setup(format!(
                         "the KV cache for {capacity} tokens needs {} ({} per token, {:?}) but only {} of memory is available; \
                          lower -c, use --cache-type f16, or back it with a file (--kv-file)",
                         mib(kv_bytes),
@@ -330,7 +330,7 @@ struct Opened {
 }
 
 fn open(opts: &LoadOptions) -> Result<Opened> {
-    crate::model::kquants::check_env().map_err(Error::msg)?;
+    crate::model::kquants::check_env().map_err(Error::setup)?;
     // Before anything loads: never a file of the user's, least of all the model itself.
     if let Some(kv) = &opts.kv_file {
         claim(kv, CacheFile::Live, Some(&opts.path))?;
@@ -346,7 +346,10 @@ fn open(opts: &LoadOptions) -> Result<Opened> {
             file.header.version
         ));
     }
-    let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
+    let in_file = |e: Error| Error::InFile {
+        path: opts.path.clone(),
+        source: Box::new(e),
+    };
     // The tokenizer (a vocabulary and merge table to build) loads beside the device and the
     // config; the plan waits for it, so that it counts the process as it stands.
     let (tokenizer, setup) = std::thread::scope(|scope| {
@@ -383,7 +386,10 @@ fn finish_load(
     workload: Option<Workload>,
     start: Instant,
 ) -> Result<Loaded> {
-    let in_file = |e: Error| Error::msg(format!("{}: {e}", opts.path.display()));
+    let in_file = |e: Error| Error::InFile {
+        path: opts.path.clone(),
+        source: Box::new(e),
+    };
     let Weights {
         model,
         plan,
@@ -481,7 +487,7 @@ fn load_weights(
         program: resident_bytes().unwrap_or(0),
     };
     let plan = MemoryPlan::new(&sizes, &request)
-        .map_err(|r| Error::msg(format!("{}\n{}", r.reason, r.plan)))?;
+        .map_err(|r| Error::setup(format!("{}\n{}", r.reason, r.plan)))?;
     if plan.gpu.is_some() || opts.verbose {
         opts.notes.say(&plan.to_string());
     }
@@ -505,7 +511,7 @@ fn load_weights(
 fn context_for(asked: Option<usize>, cfg: &Qwen3Config, notes: &Notes) -> Result<usize> {
     let context = match asked {
         Some(0) if cfg.context_length > MAX_CONTEXT => {
-            return Err(Error::msg(format!(
+            return Err(Error::setup(format!(
                 "-c 0 asks for the trained context, qwen3.context_length = {}, beyond the most \
                  refusion runs ({MAX_CONTEXT}); give -c",
                 cfg.context_length
@@ -513,7 +519,7 @@ fn context_for(asked: Option<usize>, cfg: &Qwen3Config, notes: &Notes) -> Result
         }
         Some(0) => cfg.context_length,
         Some(n) if n > MAX_CONTEXT => {
-            return Err(Error::msg(format!(
+            return Err(Error::setup(format!(
                 "-c {n} is beyond the most refusion runs ({MAX_CONTEXT})"
             )))
         }

@@ -72,7 +72,7 @@ impl Linear {
         let dims = x.dims().to_vec();
         let k = ws[0].k();
         if dims.last() != Some(&k) || x.dtype() != DType::F32 || !x.device().is_cpu() {
-            return Err(Error::msg(format!(
+            return Err(Error::internal(format!(
                 "a {k}-wide weight applied to a {:?} {:?} tensor",
                 x.dtype(),
                 dims
@@ -82,7 +82,7 @@ impl Linear {
         let x = x.contiguous()?;
         let (storage, layout) = x.storage_and_layout();
         let candle_core::Storage::Cpu(cpu) = &*storage else {
-            return Err(Error::msg("mapped weights need CPU activations"));
+            return Err(Error::internal("mapped weights need CPU activations"));
         };
         let start = layout.start_offset();
         let xs = &cpu.as_slice::<f32>()?[start..start + m * k];

@@ -24,7 +24,7 @@ use super::kquants::matmul_many;
 use super::layer::{Attention, Chunk, Layer, Mlp, Pass};
 use super::linear::Linear;
 use super::{Batch, Forward, Logits, Offload, Qwen3Config};
-use crate::error::{Error, Result};
+use crate::error::{Error, RequestError, Result};
 use crate::kv::{CacheShape, KvCache};
 
 fn candle_dtype(ty: GgmlType) -> GgmlDType {
@@ -411,10 +411,11 @@ impl Qwen3 {
         for (i, &tok) in tokens.iter().enumerate() {
             let tok = tok as usize;
             if tok >= self.cfg.vocab {
-                return Err(Error::msg(format!(
-                    "token id {tok} is outside the vocabulary ({})",
-                    self.cfg.vocab
-                )));
+                return Err(RequestError::OutsideVocabulary {
+                    token: tok as u32,
+                    vocab: self.cfg.vocab,
+                }
+                .into());
             }
             // Read, not mapped: see `GgufFile::read_tensor_bytes`.
             self.file

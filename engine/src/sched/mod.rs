@@ -190,7 +190,7 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
             // A failed forward leaves the cache's rows undefined for everyone in it.
             let msg = e.to_string();
             for r in std::mem::take(&mut self.running) {
-                self.finish(r, Err(Error::msg(msg.clone())));
+                self.finish(r, Err(Error::Forward(msg.clone())));
             }
         }
         !self.is_idle()
