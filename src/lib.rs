@@ -12,6 +12,8 @@
 //!   template and tokenizer ([`chat`]), the Hub ([`hub`]) and the memory plan ([`plan`],
 //!   [`runtime`]).
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
 pub mod chat;
 pub mod cli;
 pub mod decode;
