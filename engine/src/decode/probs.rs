@@ -52,6 +52,9 @@ fn exp_sum(v: &[f32], max: f32) -> f32 {
 fn max_and_sum(v: &[f32]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
+        /// # Safety
+        ///
+        /// The CPU has AVX2 (any `v` is fine).
         #[target_feature(enable = "avx2")]
         unsafe fn avx2(v: &[f32]) -> (f32, f32) {
             let max = max_of(v);
@@ -76,6 +79,9 @@ pub fn argmax(v: &[f32]) -> usize {
 fn row_max(v: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
+        /// # Safety
+        ///
+        /// The CPU has AVX2 (any `v` is fine).
         #[target_feature(enable = "avx2")]
         unsafe fn avx2(v: &[f32]) -> f32 {
             max_of(v)

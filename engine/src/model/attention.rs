@@ -38,12 +38,22 @@ fn axpy_generic(o: &mut [f32], p: f32, v: &[f32]) {
     }
 }
 
+/// [`dot_generic`] compiled for AVX2 and FMA.
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA (any slices are fine).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     dot_generic(a, b)
 }
 
+/// [`axpy_generic`] compiled for AVX2 and FMA.
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA (any slices are fine).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn axpy_avx2(o: &mut [f32], p: f32, v: &[f32]) {
@@ -63,25 +73,39 @@ const DOT_QUERIES: usize = 8;
 /// independent FMA chains hide the four-cycle latency a single chain waits on (four chains
 /// left the FMA units half idle). Each value is `dot(q, k, true) * scale` to the bit: the same
 /// eight lanes over the same chunks, summed in the same order, the same tail.
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA, and every query in `qs` has at least `k.len()` values (the
+/// vector loads read the first `k.len() / 8 * 8` of each unchecked).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dots_avx2(qs: &[&[f32]], k: &[f32], scale: f32, mut put: impl FnMut(usize, f32)) {
     for (c, chunk) in qs.chunks(DOT_QUERIES).enumerate() {
         let put = |i: usize, v: f32| put(c * DOT_QUERIES + i, v);
-        match chunk.len() {
-            8 => dots_n::<8>(chunk, k, scale, put),
-            7 => dots_n::<7>(chunk, k, scale, put),
-            6 => dots_n::<6>(chunk, k, scale, put),
-            5 => dots_n::<5>(chunk, k, scale, put),
-            4 => dots_n::<4>(chunk, k, scale, put),
-            3 => dots_n::<3>(chunk, k, scale, put),
-            2 => dots_n::<2>(chunk, k, scale, put),
-            _ => dots_n::<1>(chunk, k, scale, put),
+        // SAFETY: each arm's `N` is `chunk.len()` (`chunks` gives 1 to 8 queries, so the last
+        // arm has 1); the caller guarantees AVX2, FMA and the queries' lengths.
+        unsafe {
+            match chunk.len() {
+                8 => dots_n::<8>(chunk, k, scale, put),
+                7 => dots_n::<7>(chunk, k, scale, put),
+                6 => dots_n::<6>(chunk, k, scale, put),
+                5 => dots_n::<5>(chunk, k, scale, put),
+                4 => dots_n::<4>(chunk, k, scale, put),
+                3 => dots_n::<3>(chunk, k, scale, put),
+                2 => dots_n::<2>(chunk, k, scale, put),
+                _ => dots_n::<1>(chunk, k, scale, put),
+            }
         }
     }
 }
 
 /// [`dots_avx2`] for `N` queries (`qs.len() == N`).
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA; `qs.len() == N`, and each query has at least `k.len()` values
+/// (the first `k.len() / 8 * 8` are read unchecked).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -100,15 +124,20 @@ unsafe fn dots_n<const N: usize>(
     let mut acc = [_mm256_setzero_ps(); N];
     let mut d = 0;
     while d < n8 {
-        let kv = _mm256_loadu_ps(k.as_ptr().add(d));
-        for i in 0..N {
-            acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q[i].add(d)), kv, acc[i]);
+        // SAFETY: `d + 8 <= n8 <= hd`: the 8 values at `d` are inside `k`, and inside each
+        // query (at least `hd` values, by the caller).
+        unsafe {
+            let kv = _mm256_loadu_ps(k.as_ptr().add(d));
+            for i in 0..N {
+                acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q[i].add(d)), kv, acc[i]);
+            }
         }
         d += 8;
     }
     for i in 0..N {
         let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]);
+        // SAFETY: `lanes` holds the 8 values stored.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]) };
         let mut s = lanes.iter().sum::<f32>();
         for (x, y) in qs[i][n8..hd].iter().zip(&k[n8..hd]) {
             s += x * y;
@@ -120,6 +149,12 @@ unsafe fn dots_n<const N: usize>(
 /// `out = sum over t of ps[t] * values[slots[t]]`, each output element accumulated over `t` in
 /// order with a fused multiply-add from 0, as `axpy(.., true)` entry by entry gives it, to the
 /// bit; the accumulators stay in registers (64 elements at a time) instead of memory.
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA; `out` has at least `hd / 8 * 8` values, and every slot paired
+/// with a probability satisfies `(slot + 1) * hd <= values.len()` (the vector loads and
+/// stores are unchecked; the tail past `hd / 8 * 8` is indexed, checked).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn weighted_sum_avx2(
@@ -136,23 +171,30 @@ unsafe fn weighted_sum_avx2(
         let mut acc = [_mm256_setzero_ps(); 8];
         for (&p, &slot) in ps.iter().zip(slots) {
             let pv = _mm256_set1_ps(p);
-            let v = values.as_ptr().add(slot * hd + d0);
-            for (i, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * i)), *a);
+            // SAFETY: `d0 + 64 <= n8 <= hd`, so the 64 values at `slot * hd + d0` are inside
+            // `values` (the caller guarantees `(slot + 1) * hd <= values.len()`).
+            unsafe {
+                let v = values.as_ptr().add(slot * hd + d0);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * i)), *a);
+                }
             }
         }
         for (i, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.as_mut_ptr().add(d0 + 8 * i), *a);
+            // SAFETY: `d0 + 8 * i + 8 <= n8 <= out.len()` (the caller).
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(d0 + 8 * i), *a) };
         }
         d0 += 64;
     }
     while d0 < n8 {
         let mut a = _mm256_setzero_ps();
         for (&p, &slot) in ps.iter().zip(slots) {
-            let v = _mm256_loadu_ps(values.as_ptr().add(slot * hd + d0));
+            // SAFETY: `d0 + 8 <= n8 <= hd`, inside `slot`'s entry (as above).
+            let v = unsafe { _mm256_loadu_ps(values.as_ptr().add(slot * hd + d0)) };
             a = _mm256_fmadd_ps(_mm256_set1_ps(p), v, a);
         }
-        _mm256_storeu_ps(out.as_mut_ptr().add(d0), a);
+        // SAFETY: `d0 + 8 <= n8 <= out.len()` (the caller).
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(d0), a) };
         d0 += 8;
     }
     for (d, o) in out.iter_mut().enumerate().take(hd).skip(n8) {
@@ -298,7 +340,8 @@ pub fn attend(
             if avx2 && block.toks.len() * group <= MAX_QUERIES && held_back() < 2 {
                 if let (Some(k), Some(v)) = (keys.as_f32(), values.as_f32()) {
                     // SAFETY: the CPU has AVX2 and FMA; this task writes only its own tokens'
-                    // heads of `out`, which outlives the call.
+                    // heads of `out`, which outlives the call; the slots `visible` names are
+                    // the cache's own, below its capacity, the length of each head's view.
                     unsafe { block.run_f32_avx2(k, v, &out_ptr) };
                     continue;
                 }
@@ -430,6 +473,16 @@ thread_local! {
 impl Block<'_> {
     /// The f32 cache on AVX2: the same values as the portable loop below, to the bit (the
     /// kernels' notes), with the FMA chains of several queries interleaved.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA (AVX-512F is used only where [`has_avx512`] says the kernel
+    /// path is an AVX-512 one, which only a CPU with it gets). `out` points at the whole
+    /// `[n, n_heads, head_dim]` output, and no other thread reads or writes the heads this
+    /// block writes (its tokens' heads `g * group..(g + 1) * group`) meanwhile. Every slot the
+    /// block's tokens see (its prefix's, and each token's `row_slots[..count]`) is below
+    /// `keys.len() / head_dim` and `values.len() / head_dim` (the kernels read entries
+    /// unchecked).
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_f32_avx2(&self, keys: &[f32], values: &[f32], out: &SharedOut) {
         let (hd, group) = (self.head_dim, self.group);
@@ -455,14 +508,21 @@ impl Block<'_> {
             slots.clear();
             slots.extend(self.prefix.iter().flat_map(|s| s.start..s.start + s.len));
             if avx512 && hd <= avx512::MAX_HEAD_DIM {
-                self.scores_avx512(qs, keys, slots, &mut scores[..nq * stride]);
+                // SAFETY: `avx512` only on an AVX-512 kernel path, which only a CPU with
+                // AVX-512F gets; `hd <= MAX_HEAD_DIM` just checked; `qs` are the block's
+                // `nq` queries of `hd` values; the slots index `keys` (our caller); `scores`
+                // has `nq * stride` values, and `stride` is at least any token's prefix plus
+                // row entries (the block's tokens share `slots`, the prefix).
+                unsafe { self.scores_avx512(qs, keys, slots, &mut scores[..nq * stride]) };
             } else {
                 // Scores against the shared prefix: each key read once for every query.
                 for (t, &slot) in slots.iter().enumerate() {
                     let k = &keys[slot * hd..(slot + 1) * hd];
-                    dots_avx2(qs, k, self.scale, |qi, v| scores[qi * stride + t] = v);
+                    // SAFETY: AVX2 and FMA (our caller); every query has `hd` values, as `k`.
+                    unsafe { dots_avx2(qs, k, self.scale, |qi, v| scores[qi * stride + t] = v) };
                 }
-                self.row_scores_avx2(qs, keys, &mut scores[..nq * stride], shared);
+                // SAFETY: AVX2 and FMA (our caller); every query has `hd` values.
+                unsafe { self.row_scores_avx2(qs, keys, &mut scores[..nq * stride], shared) };
             }
             for j in 0..nt {
                 let n_keys = shared + self.visible[self.toks.start + j].count;
@@ -475,29 +535,44 @@ impl Block<'_> {
                 slots.truncate(shared);
                 slots.extend_from_slice(&vis.row_slots[..vis.count]);
                 let i = self.toks.start + j;
-                // SAFETY: the (token, head) slices belong to this task only.
-                let o = |h: usize| out.get().add((i * self.n_heads + self.g * group + h) * hd);
+                // SAFETY: head `h < group` of token `i` lies inside `out` (our caller), and the
+                // (token, head) slices belong to this task only.
+                let o = |h: usize| unsafe {
+                    out.get().add((i * self.n_heads + self.g * group + h) * hd)
+                };
                 let ps = |h: usize| &scores[(j * group + h) * stride..][..slots.len()];
                 let mut h = 0;
+                // The calls below: `avx512` only on an AVX-512 kernel path (the CPU has
+                // AVX-512F), AVX2 and FMA by our caller; each `o(h)` is this task's own `hd`
+                // values of head `h` of token `i`; `ps(h)` has `slots.len()` values; the slots
+                // index `values` (our caller).
                 if avx512 {
                     while h + 2 <= group {
-                        avx512::weighted_sum_avx512::<2>(
-                            [ps(h), ps(h + 1)],
-                            slots,
-                            values,
-                            hd,
-                            [o(h), o(h + 1)],
-                        );
+                        // SAFETY: as said above.
+                        unsafe {
+                            avx512::weighted_sum_avx512::<2>(
+                                [ps(h), ps(h + 1)],
+                                slots,
+                                values,
+                                hd,
+                                [o(h), o(h + 1)],
+                            )
+                        };
                         h += 2;
                     }
                     if h < group {
-                        avx512::weighted_sum_avx512::<1>([ps(h)], slots, values, hd, [o(h)]);
+                        // SAFETY: as said above.
+                        unsafe {
+                            avx512::weighted_sum_avx512::<1>([ps(h)], slots, values, hd, [o(h)])
+                        };
                         h += 1;
                     }
                 }
                 for h in h..group {
-                    let o = std::slice::from_raw_parts_mut(o(h), hd);
-                    weighted_sum_avx2(ps(h), slots, values, hd, o);
+                    // SAFETY: as said above.
+                    let o = unsafe { std::slice::from_raw_parts_mut(o(h), hd) };
+                    // SAFETY: as said above; `o` has `hd` values.
+                    unsafe { weighted_sum_avx2(ps(h), slots, values, hd, o) };
                 }
             }
         });
@@ -512,6 +587,11 @@ impl Block<'_> {
     /// of the block's tokens that see it, so the FMA chains of up to [`DOT_QUERIES`] queries
     /// run side by side (one token's `group` queries alone left the units waiting on each
     /// chain's latency). Each score is the same dot product as one at a time, to the bit.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA, and each of `qs` has at least `head_dim` values (the keys
+    /// and `scores` are indexed, checked).
     #[target_feature(enable = "avx2,fma")]
     unsafe fn row_scores_avx2(
         &self,
@@ -533,7 +613,8 @@ impl Block<'_> {
                     n += 1;
                 }
                 let k = &keys[slot * hd..(slot + 1) * hd];
-                dots_avx2(&sel[..n], k, self.scale, |i, v| scores[at[i]] = v);
+                // SAFETY: AVX2 and FMA (our caller); the queries have `hd` values, as `k`.
+                unsafe { dots_avx2(&sel[..n], k, self.scale, |i, v| scores[at[i]] = v) };
             }
         }
     }
@@ -542,6 +623,14 @@ impl Block<'_> {
     /// [`avx512::dots`], 16 queries at a time. A row's entries are dotted with each query of
     /// its tokens up to the block's last token's count (the rest of a token's scores past its
     /// own count are written but never read: softmax and the values stop at its count).
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F; `head_dim <= avx512::MAX_HEAD_DIM`; `qs` holds the block's
+    /// `toks.len() * group` queries, each of at least `head_dim` values; every slot in `slots`
+    /// and in the block's tokens' `row_slots[..count]` is below `keys.len() / head_dim`;
+    /// `scores` holds `qs.len() * stride` values, and `slots.len()` plus any of the block's
+    /// tokens' `count` is at most `stride`.
     #[target_feature(enable = "avx512f")]
     unsafe fn scores_avx512(
         &self,
@@ -556,15 +645,20 @@ impl Block<'_> {
             for (i, a) in at.iter_mut().enumerate().take(chunk.len()) {
                 *a = (16 * c + i) * stride;
             }
-            avx512::dots(
-                chunk,
-                &at[..chunk.len()],
-                keys,
-                hd,
-                slots,
-                self.scale,
-                scores,
-            );
+            // SAFETY: AVX-512F, `hd`, the queries' lengths and the slots by our caller; at
+            // most 16 queries; query `i`'s scores start at `at[i] = qi * stride` and
+            // `slots.len() <= stride` of them fit before the next query's.
+            unsafe {
+                avx512::dots(
+                    chunk,
+                    &at[..chunk.len()],
+                    keys,
+                    hd,
+                    slots,
+                    self.scale,
+                    scores,
+                )
+            };
         }
         let mut sel: [&[f32]; 16] = [&[]; 16];
         for (j, most) in self.rows() {
@@ -575,12 +669,15 @@ impl Block<'_> {
                 at[n] = qi * stride + slots.len();
                 n += 1;
                 if n == 16 {
-                    avx512::dots(&sel, &at, keys, hd, row, self.scale, scores);
+                    // SAFETY: as above; the row's `most` scores of query `qi` start at
+                    // `qi * stride + slots.len()`, and `slots.len() + most <= stride`.
+                    unsafe { avx512::dots(&sel, &at, keys, hd, row, self.scale, scores) };
                     n = 0;
                 }
             }
             if n > 0 {
-                avx512::dots(&sel[..n], &at[..n], keys, hd, row, self.scale, scores);
+                // SAFETY: as just above, for the last `n` queries.
+                unsafe { avx512::dots(&sel[..n], &at[..n], keys, hd, row, self.scale, scores) };
             }
         }
     }

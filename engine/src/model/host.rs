@@ -56,17 +56,24 @@ impl Rows {
     /// Rows `r` of `len` values.
     ///
     /// # Safety
-    /// The rows are inside the buffer and no other task touches them.
+    ///
+    /// `r.start <= r.end`, the values `r.start * len..r.end * len` are inside the buffer the
+    /// pointer was taken from, that buffer outlives `'a`, and nothing else reads or writes those
+    /// values while the slice lives (each task of a loop gets its own rows).
     unsafe fn get<'a>(self, r: &Range<usize>, len: usize) -> &'a mut [f32] {
-        self.span(r.start * len, r.end * len)
+        // SAFETY: the caller guarantees `get`'s conditions, which are `span`'s for these bounds.
+        unsafe { self.span(r.start * len, r.end * len) }
     }
 
     /// Values `a..b`.
     ///
     /// # Safety
-    /// As [`Rows::get`].
+    ///
+    /// `a <= b`, the values `a..b` are inside the buffer the pointer was taken from, that buffer
+    /// outlives `'a`, and nothing else reads or writes those values while the slice lives.
     unsafe fn span<'a>(self, a: usize, b: usize) -> &'a mut [f32] {
-        std::slice::from_raw_parts_mut(self.0.add(a), b - a)
+        // SAFETY: the caller guarantees `a..b` is inside the live buffer and not aliased.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(a), b - a) }
     }
 }
 

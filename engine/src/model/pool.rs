@@ -79,12 +79,15 @@ thread_local! {
 /// Runs `f` over `range` (the monomorphized entry behind [`Job::call`]).
 ///
 /// # Safety
-/// `data` must point at a live `F`.
+///
+/// `data` must point at a live `F` (of this very type: the one `call::<F>` was stored with),
+/// for the whole call; other threads may call it at the same time (`F: Sync`).
 unsafe fn call<F: Fn(std::ops::Range<usize>) + Sync>(
     data: *const (),
     range: std::ops::Range<usize>,
 ) {
-    (*(data as *const F))(range)
+    // SAFETY: the caller guarantees `data` points at a live `F`.
+    unsafe { (*(data as *const F))(range) }
 }
 
 impl WorkerPool {

@@ -31,6 +31,11 @@ const BYTES: usize = 1 << 30;
 /// Slices handed to the pool (each read whole by one thread).
 const SLICES: usize = 256;
 
+/// A way of reading: xor-folds the whole slice into one word.
+///
+/// Unsafe to call: the caller must ensure the CPU has the reader's target features (`ways`
+/// lists only those it detected) and that the slice starts on a 64-byte boundary (the vector
+/// readers use aligned loads).
 type ReadFn = unsafe fn(&[u8]) -> u64;
 
 /// The ways of reading this CPU can run.
@@ -66,7 +71,9 @@ pub fn measure(rounds: usize) -> Result<Vec<Stream>> {
             let t = Instant::now();
             pool.execute_chunked(SLICES, |range| {
                 for s in range {
-                    // SAFETY: the CPU runs `read`'s instructions (`ways` checked).
+                    // SAFETY: the CPU runs `read`'s instructions (`ways` checked), and every
+                    // slice starts on a 64-byte boundary (the map is page-aligned, a slice is
+                    // 4 MiB).
                     let x = unsafe { read(&buf[s * slice..(s + 1) * slice]) };
                     sink.fetch_xor(x, std::sync::atomic::Ordering::Relaxed);
                 }
@@ -95,6 +102,11 @@ pub fn measure(rounds: usize) -> Result<Vec<Stream>> {
 }
 
 /// 128-bit reads (SSE2 on x86_64, NEON on aarch64: the compiler's plain vector loop).
+///
+/// # Safety
+///
+/// None: any slice is fine, and SSE2 and NEON are baseline on their targets. The fn is
+/// `unsafe` only to have the type [`ReadFn`] shared with the vector readers.
 unsafe fn read_narrow(s: &[u8]) -> u64 {
     let mut acc = [0u64; 8];
     for c in s.chunks_exact(64) {
@@ -141,6 +153,11 @@ mod x86 {
     /// vectors are xor-folded into the result so no load is dropped.
     macro_rules! reader {
         ($name:ident, $feat:literal, $vec:ty, $load:ident, $load_nt:ident, $xor:ident, $zero:ident, $fold:ident) => {
+            /// # Safety
+            ///
+            /// The CPU has the target feature enabled below (AVX2 for `read256`, AVX-512F for
+            /// `read512`), and `s.as_ptr()` is aligned to the vector's size (32 or 64 bytes):
+            /// the loads are aligned ones, at multiples of the vector's size from the start.
             #[target_feature(enable = $feat)]
             unsafe fn $name<const STREAMS: usize, const PF: bool, const NT: bool>(s: &[u8]) -> u64 {
                 const W: usize = std::mem::size_of::<$vec>();
@@ -151,7 +168,8 @@ mod x86 {
                 let mut off = 0;
                 while off < part {
                     for (k, a) in acc.iter_mut().enumerate() {
-                        let p = s.as_ptr().add(k * part + off);
+                        // SAFETY: in bounds, `k * part + off < STREAMS * part <= s.len()`.
+                        let p = unsafe { s.as_ptr().add(k * part + off) };
                         if PF {
                             for line in (0..step).step_by(64) {
                                 _mm_prefetch::<_MM_HINT_T0>(
@@ -160,8 +178,20 @@ mod x86 {
                             }
                         }
                         for (u, v) in a.iter_mut().enumerate() {
-                            let at = p.add(u * W) as *const $vec;
-                            *v = $xor(*v, if NT { $load_nt(at) } else { $load(at) });
+                            // SAFETY: in bounds, `off + step <= part` and `u * W < step`.
+                            let at = unsafe { p.add(u * W) } as *const $vec;
+                            // SAFETY: `at..at + W` lies in `s` (as above) and is aligned to `W`
+                            // (`s` is, by the caller, and `part`, `off` and `u * W` are multiples
+                            // of `W`); the CPU has the loads' feature (the caller guarantees
+                            // `$feat`, which implies theirs).
+                            let x = unsafe {
+                                if NT {
+                                    $load_nt(at)
+                                } else {
+                                    $load(at)
+                                }
+                            };
+                            *v = $xor(*v, x);
                         }
                     }
                     off += step;
@@ -170,38 +200,68 @@ mod x86 {
                 for a in acc.iter().flatten() {
                     x = $xor(x, *a);
                 }
-                $fold(x)
+                // SAFETY: the caller guarantees `$feat`, the feature `$fold` needs.
+                unsafe { $fold(x) }
             }
         };
     }
 
+    // The helpers below are `#[inline(always)]` (which `#[target_feature]` does not allow), so
+    // they inherit their callers' features; they state the ones they need.
+
+    /// # Safety
+    ///
+    /// The CPU has AVX (AVX2 in `read256`, which implies it).
     #[inline(always)]
     unsafe fn fold256(x: __m256i) -> u64 {
-        // Every lane, so no load can be narrowed to the lanes used.
-        (_mm256_extract_epi64::<0>(x)
-            ^ _mm256_extract_epi64::<1>(x)
-            ^ _mm256_extract_epi64::<2>(x)
-            ^ _mm256_extract_epi64::<3>(x)) as u64
+        // SAFETY: the caller guarantees AVX.
+        unsafe {
+            // Every lane, so no load can be narrowed to the lanes used.
+            (_mm256_extract_epi64::<0>(x)
+                ^ _mm256_extract_epi64::<1>(x)
+                ^ _mm256_extract_epi64::<2>(x)
+                ^ _mm256_extract_epi64::<3>(x)) as u64
+        }
     }
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F.
     #[inline(always)]
     unsafe fn fold512(x: __m512i) -> u64 {
-        _mm512_reduce_or_epi64(x) as u64
+        // SAFETY: the caller guarantees AVX-512F.
+        unsafe { _mm512_reduce_or_epi64(x) as u64 }
     }
+    /// # Safety
+    ///
+    /// `p` is valid for reading 32 bytes and aligned to 32; the CPU has AVX.
     #[inline(always)]
     unsafe fn load256(p: *const __m256i) -> __m256i {
-        _mm256_load_si256(p)
+        // SAFETY: the caller guarantees the pointer and AVX.
+        unsafe { _mm256_load_si256(p) }
     }
+    /// # Safety
+    ///
+    /// `p` is valid for reading 32 bytes and aligned to 32; the CPU has AVX2.
     #[inline(always)]
     unsafe fn load256_nt(p: *const __m256i) -> __m256i {
-        _mm256_stream_load_si256(p)
+        // SAFETY: the caller guarantees the pointer and AVX2.
+        unsafe { _mm256_stream_load_si256(p) }
     }
+    /// # Safety
+    ///
+    /// `p` is valid for reading 64 bytes and aligned to 64; the CPU has AVX-512F.
     #[inline(always)]
     unsafe fn load512(p: *const __m512i) -> __m512i {
-        _mm512_load_si512(p as *const _)
+        // SAFETY: the caller guarantees the pointer and AVX-512F.
+        unsafe { _mm512_load_si512(p as *const _) }
     }
+    /// # Safety
+    ///
+    /// `p` is valid for reading 64 bytes and aligned to 64; the CPU has AVX-512F.
     #[inline(always)]
     unsafe fn load512_nt(p: *const __m512i) -> __m512i {
-        _mm512_stream_load_si512(p as *const _)
+        // SAFETY: the caller guarantees the pointer and AVX-512F.
+        unsafe { _mm512_stream_load_si512(p as *const _) }
     }
 
     reader!(

@@ -16,8 +16,10 @@ pub(super) const MAX_HEAD_DIM: usize = 256;
 /// query's run at a time.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `qs.len() <= 16`, each query and key has `hd <= MAX_HEAD_DIM`
-/// values, `slots` index `keys`, and `at[i] + slots.len() <= scores.len()`.
+///
+/// The CPU has AVX-512F; `qs.len() <= 16` and `at.len() == qs.len()`; `hd <= MAX_HEAD_DIM`;
+/// each query has at least `hd` values; every slot satisfies `(slot + 1) * hd <= keys.len()`;
+/// and `at[i] + slots.len() <= scores.len()` for every `i` (all read and written unchecked).
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn dots(
     qs: &[&[f32]],
@@ -33,37 +35,47 @@ pub(super) unsafe fn dots(
     debug_assert!(at.iter().all(|&a| a + slots.len() <= scores.len()));
     // Only the first `hd` are written and read (zeroing all of it cost as much as a key).
     let mut qt = [const { std::mem::MaybeUninit::<__m512>::uninit() }; MAX_HEAD_DIM];
-    transpose_queries(qs, hd, &mut qt);
-    let qt = std::slice::from_raw_parts(qt.as_ptr() as *const __m512, hd);
+    // SAFETY: AVX-512F by the attribute; at most 16 queries of at least `hd` values, and
+    // `hd <= MAX_HEAD_DIM`, by the caller.
+    unsafe { transpose_queries(qs, hd, &mut qt) };
+    // SAFETY: `transpose_queries` wrote `qt[..hd]`.
+    let qt = unsafe { std::slice::from_raw_parts(qt.as_ptr() as *const __m512, hd) };
     let sc = _mm512_set1_ps(scale);
     let out = scores.as_mut_ptr();
-    let key = |slot: usize| keys.as_ptr().add(slot.wrapping_mul(hd));
+    // SAFETY: called with `slots`' entries only, whose keys lie in `keys` (the caller).
+    let key = |slot: usize| unsafe { keys.as_ptr().add(slot.wrapping_mul(hd)) };
     for (c, chunk) in slots.chunks(16).enumerate() {
         let mut tile = [_mm512_setzero_si512(); 16];
         // Two keys at a time: each query vector loaded once for both.
         let mut u = 0;
         while u + 2 <= chunk.len() {
-            let [a, b] = key_scores::<2>(qt, [key(chunk[u]), key(chunk[u + 1])], sc);
+            // SAFETY: AVX-512F by the attribute; each key is `hd` values (`qt.len()`) in `keys`.
+            let [a, b] = unsafe { key_scores::<2>(qt, [key(chunk[u]), key(chunk[u + 1])], sc) };
             (tile[u], tile[u + 1]) = (a, b);
             u += 2;
         }
         if u < chunk.len() {
-            tile[u] = key_scores::<1>(qt, [key(chunk[u])], sc)[0];
+            // SAFETY: as just above.
+            tile[u] = unsafe { key_scores::<1>(qt, [key(chunk[u])], sc) }[0];
         }
         let t0 = 16 * c;
         if chunk.len() == 16 {
             crate::model::kquants::transpose16(&mut tile);
             for (i, &a) in at.iter().enumerate() {
-                _mm512_storeu_ps(out.add(a + t0), _mm512_castsi512_ps(tile[i]));
+                // SAFETY: `a + t0 + 16 <= a + slots.len() <= scores.len()` (a whole chunk; the
+                // caller).
+                unsafe { _mm512_storeu_ps(out.add(a + t0), _mm512_castsi512_ps(tile[i])) };
             }
         } else {
             let mut buf = [[0f32; 16]; 16];
             for (b, v) in buf.iter_mut().zip(&tile).take(chunk.len()) {
-                _mm512_storeu_ps(b.as_mut_ptr(), _mm512_castsi512_ps(*v));
+                // SAFETY: `b` holds the 16 values stored.
+                unsafe { _mm512_storeu_ps(b.as_mut_ptr(), _mm512_castsi512_ps(*v)) };
             }
             for (i, &a) in at.iter().enumerate() {
                 for (u, b) in buf.iter().enumerate().take(chunk.len()) {
-                    *out.add(a + t0 + u) = b[i];
+                    // SAFETY: `a + t0 + u < a + slots.len() <= scores.len()` (the caller).
+                    unsafe { *out.add(a + t0 + u) = b[i] };
                 }
             }
         }
@@ -72,65 +84,84 @@ pub(super) unsafe fn dots(
 
 /// `qt[d]` = dimension `d` of each query (lane `i`: query `i`, zero past the last), for `d`
 /// below `hd`: sixteen dimensions at a time by a transpose in registers, the tail one by one.
+///
+/// # Safety
+///
+/// The CPU has AVX-512F (this is inlined into [`dots`], which enables it);
+/// `hd <= MAX_HEAD_DIM`; each of `qs` (the first 16; [`dots`] passes at most 16) has at least
+/// `hd` values, read unchecked.
 #[inline(always)]
 unsafe fn transpose_queries(
     qs: &[&[f32]],
     hd: usize,
     qt: &mut [std::mem::MaybeUninit<__m512>; MAX_HEAD_DIM],
 ) {
-    let n16 = hd / 16 * 16;
-    let mut d = 0;
-    while d < n16 {
-        let mut r = [_mm512_setzero_si512(); 16];
-        for (r, q) in r.iter_mut().zip(qs) {
-            *r = _mm512_loadu_si512(q.as_ptr().add(d) as *const _);
+    // SAFETY: AVX-512F and the queries' lengths by the caller: the loads read `q[d..d + 16]`
+    // with `d + 16 <= hd`, and the tail `q[d]` with `d < hd` (`qt[d + i]` is indexed, checked).
+    unsafe {
+        let n16 = hd / 16 * 16;
+        let mut d = 0;
+        while d < n16 {
+            let mut r = [_mm512_setzero_si512(); 16];
+            for (r, q) in r.iter_mut().zip(qs) {
+                *r = _mm512_loadu_si512(q.as_ptr().add(d) as *const _);
+            }
+            crate::model::kquants::transpose16(&mut r);
+            for (i, r) in r.iter().enumerate() {
+                qt[d + i].write(_mm512_castsi512_ps(*r));
+            }
+            d += 16;
         }
-        crate::model::kquants::transpose16(&mut r);
-        for (i, r) in r.iter().enumerate() {
-            qt[d + i].write(_mm512_castsi512_ps(*r));
+        let mut lanes = [0f32; 16];
+        for (d, v) in qt.iter_mut().enumerate().take(hd).skip(n16) {
+            for (l, q) in lanes.iter_mut().zip(qs) {
+                *l = *q.get_unchecked(d);
+            }
+            v.write(_mm512_loadu_ps(lanes.as_ptr()));
         }
-        d += 16;
-    }
-    let mut lanes = [0f32; 16];
-    for (d, v) in qt.iter_mut().enumerate().take(hd).skip(n16) {
-        for (l, q) in lanes.iter_mut().zip(qs) {
-            *l = *q.get_unchecked(d);
-        }
-        v.write(_mm512_loadu_ps(lanes.as_ptr()));
     }
 }
 
 /// The scores of the transposed queries `qt` against `K` keys, scaled, as [`dots`] says.
+///
+/// # Safety
+///
+/// The CPU has AVX-512F (this is inlined into [`dots`], which enables it), and each pointer
+/// in `k` is valid for reading `qt.len()` f32s.
 #[inline(always)]
 unsafe fn key_scores<const K: usize>(
     qt: &[__m512],
     k: [*const f32; K],
     sc: __m512,
 ) -> [__m512i; K] {
-    let hd = qt.len();
-    let n8 = hd / 8 * 8;
-    let mut acc = [[_mm512_setzero_ps(); 8]; K];
-    let mut d = 0;
-    while d < n8 {
-        for l in 0..8 {
-            let q = *qt.get_unchecked(d + l);
-            for (a, k) in acc.iter_mut().zip(&k) {
-                a[l] = _mm512_fmadd_ps(q, _mm512_set1_ps(*k.add(d + l)), a[l]);
+    // SAFETY: AVX-512F by the caller; `d + l < n8 <= hd` and `d < hd` index `qt` (of `hd` vectors)
+    // and each key (valid for `hd` values, by the caller).
+    unsafe {
+        let hd = qt.len();
+        let n8 = hd / 8 * 8;
+        let mut acc = [[_mm512_setzero_ps(); 8]; K];
+        let mut d = 0;
+        while d < n8 {
+            for l in 0..8 {
+                let q = *qt.get_unchecked(d + l);
+                for (a, k) in acc.iter_mut().zip(&k) {
+                    a[l] = _mm512_fmadd_ps(q, _mm512_set1_ps(*k.add(d + l)), a[l]);
+                }
             }
+            d += 8;
         }
-        d += 8;
+        std::array::from_fn(|i| {
+            // Lane 0 first: the AVX2 loop's sum starts at -0.0, which adds nothing.
+            let mut s = acc[i][0];
+            for a in &acc[i][1..] {
+                s = _mm512_add_ps(s, *a);
+            }
+            for (d, q) in qt.iter().enumerate().skip(n8) {
+                s = _mm512_add_ps(s, _mm512_mul_ps(*q, _mm512_set1_ps(*k[i].add(d))));
+            }
+            _mm512_castps_si512(_mm512_mul_ps(s, sc))
+        })
     }
-    std::array::from_fn(|i| {
-        // Lane 0 first: the AVX2 loop's sum starts at -0.0, which adds nothing.
-        let mut s = acc[i][0];
-        for a in &acc[i][1..] {
-            s = _mm512_add_ps(s, *a);
-        }
-        for (d, q) in qt.iter().enumerate().skip(n8) {
-            s = _mm512_add_ps(s, _mm512_mul_ps(*q, _mm512_set1_ps(*k[i].add(d))));
-        }
-        _mm512_castps_si512(_mm512_mul_ps(s, sc))
-    })
 }
 
 /// [`super::weighted_sum_avx2`] for `G` heads of one token over the same entries at once, with
@@ -140,7 +171,10 @@ unsafe fn key_scores<const K: usize>(
 /// `hd`).
 ///
 /// # Safety
-/// The CPU has AVX-512F; each `out[h]` is valid for `hd` writes, `slots` index `values`.
+///
+/// The CPU has AVX-512F; each `out[h]` is valid for writing `hd` f32s, which no one else reads
+/// or writes meanwhile; each `ps[h]` has at least `slots.len()` values; every slot satisfies
+/// `(slot + 1) * hd <= values.len()` (all read and written unchecked).
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn weighted_sum_avx512<const G: usize>(
     ps: [&[f32]; G],
@@ -161,10 +195,17 @@ pub(super) unsafe fn weighted_sum_avx512<const G: usize>(
         let masks: [__mmask16; W] = std::array::from_fn(mask);
         let mut acc = [[_mm512_setzero_ps(); W]; G];
         for (t, &slot) in slots.iter().enumerate() {
-            let v = base.add(slot.wrapping_mul(hd).wrapping_add(d0));
-            let p: [__m512; G] = std::array::from_fn(|h| _mm512_set1_ps(*ps[h].get_unchecked(t)));
+            // SAFETY: `d0 < hd`: inside `slot`'s entry of `values` (the caller).
+            let v = unsafe { base.add(slot.wrapping_mul(hd).wrapping_add(d0)) };
+            // SAFETY: `t < slots.len() <= ps[h].len()` (the caller).
+            let p: [__m512; G] =
+                std::array::from_fn(|h| _mm512_set1_ps(unsafe { *ps[h].get_unchecked(t) }));
             for i in 0..W {
-                let x = _mm512_maskz_loadu_ps(masks[i], v.add(16 * i));
+                // SAFETY: the mask's lanes are the entry's values `d0 + 16 * i..hd`, at most
+                // 16 of them: only those are read (masked-off lanes never fault); the address
+                // is computed with wrapping arithmetic, as it may pass the end of `values`
+                // when no lane is read.
+                let x = unsafe { _mm512_maskz_loadu_ps(masks[i], v.wrapping_add(16 * i)) };
                 for h in 0..G {
                     acc[h][i] = _mm512_fmadd_ps(p[h], x, acc[h][i]);
                 }
@@ -172,7 +213,11 @@ pub(super) unsafe fn weighted_sum_avx512<const G: usize>(
         }
         for h in 0..G {
             for i in 0..W {
-                _mm512_mask_storeu_ps(out[h].add(d0 + 16 * i), masks[i], acc[h][i]);
+                // SAFETY: as the loads: only lanes below `hd` are written, inside `out[h]`'s
+                // `hd` values (the caller).
+                unsafe {
+                    _mm512_mask_storeu_ps(out[h].wrapping_add(d0 + 16 * i), masks[i], acc[h][i])
+                };
             }
         }
         d0 += 16 * W;

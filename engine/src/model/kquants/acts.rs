@@ -153,6 +153,10 @@ mod x86 {
 
     /// [`super::quantize_block_scalar`] with AVX2: the same float operations on each value
     /// (a product, then the rounding add; no fused multiply-add), so the same bytes.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 (`x.len() == 256` is asserted).
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn quantize_block(x: &[f32], out: &mut Q8K) {
         assert!(x.len() == QK);
@@ -161,10 +165,12 @@ mod x86 {
         // The largest magnitude (NaNs skipped, as the scalar `>` does).
         let mut amax = _mm256_setzero_ps();
         for i in (0..QK).step_by(8) {
-            let a = _mm256_andnot_ps(sign, _mm256_loadu_ps(p.add(i)));
+            // SAFETY: `i + 8 <= 256 == x.len()`.
+            let a = _mm256_andnot_ps(sign, unsafe { _mm256_loadu_ps(p.add(i)) });
             amax = _mm256_max_ps(a, amax);
         }
-        let amax = hmax(amax);
+        // SAFETY: AVX2, as here.
+        let amax = unsafe { hmax(amax) };
         if amax == 0.0 {
             *out = Q8K::ZERO;
             return;
@@ -173,7 +179,8 @@ mod x86 {
         let target = _mm256_set1_ps(amax);
         let mut max = 0.0;
         for i in (0..QK).step_by(8) {
-            let a = _mm256_andnot_ps(sign, _mm256_loadu_ps(p.add(i)));
+            // SAFETY: `i + 8 <= 256 == x.len()`.
+            let a = _mm256_andnot_ps(sign, unsafe { _mm256_loadu_ps(p.add(i)) });
             let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(a, target));
             if hit != 0 {
                 max = x[i + hit.trailing_zeros() as usize];
@@ -197,22 +204,30 @@ mod x86 {
         let qs = out.qs.as_mut_ptr();
         // 32 values at a time: natural chunk `c` of each 128 goes to `stored_at`'s place.
         for c in 0..QK / 32 {
-            let at = |j: usize| round(_mm256_loadu_ps(p.add(32 * c + 8 * j)));
+            // SAFETY: `j < 4`, so `32 * c + 8 * j + 8 <= 256 == x.len()`.
+            let at = |j: usize| round(unsafe { _mm256_loadu_ps(p.add(32 * c + 8 * j)) });
             let ab = _mm256_packs_epi32(at(0), at(1));
             let cd = _mm256_packs_epi32(at(2), at(3));
             let q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
             let dst = super::stored_at(32 * c);
-            _mm256_storeu_si256(qs.add(dst) as *mut __m256i, q);
+            // SAFETY: `dst + 32 <= 256`, the length of `out.qs`.
+            unsafe { _mm256_storeu_si256(qs.add(dst) as *mut __m256i, q) };
             // Sums of each 8 (offset by 128 to be unsigned), then of each 16.
             let s = _mm256_sad_epu8(_mm256_xor_si256(q, flip), zero);
             let mut l = [0i64; 4];
-            _mm256_storeu_si256(l.as_mut_ptr() as *mut __m256i, s);
+            // SAFETY: `l` is 32 bytes.
+            unsafe { _mm256_storeu_si256(l.as_mut_ptr() as *mut __m256i, s) };
             out.bsums[2 * c] = (l[0] + l[1] - 16 * 128) as i16;
             out.bsums[2 * c + 1] = (l[2] + l[3] - 16 * 128) as i16;
         }
         finish(out, iscale);
     }
 
+    /// The largest of `v`'s eight lanes.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2.
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn hmax(v: __m256) -> f32 {

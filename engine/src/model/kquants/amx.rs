@@ -120,8 +120,11 @@ fn scratch() -> *mut Scratch {
 /// Rows `0..16·pieces` of the activations (whole pieces of 16) against run `run` of `w`.
 ///
 /// # Safety
-/// The CPU must run AVX-512 VNNI and [`usable`] must be true; `acts` holds at least
-/// `16·pieces` rows of `w.k / 256` blocks.
+///
+/// The CPU has AVX-512F, BW, VL and VNNI, and [`usable`] is true (AMX-TILE and AMX-INT8, with
+/// Linux's permission for this process); `out` has at least `16·pieces·w.rows` values (the
+/// stores are unchecked). `w` must be Q4_K or Q6_K, `acts` hold at least `16·pieces` rows of
+/// `w.k / 256` blocks and `run` be one of `w`'s runs; these are checked (a panic).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn run_pieces(
     w: &PackedMatrix,
@@ -136,7 +139,11 @@ pub(super) unsafe fn run_pieces(
         Packed::Q5K | Packed::Q8_0 => unreachable!("no AMX kernel for {:?}", w.kind),
     };
     let cfg = config(kind.k());
-    asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileConfig, options(nostack, readonly));
+    // SAFETY: the caller guarantees AMX is usable; `cfg` is a valid palette-1 configuration
+    // (64 bytes, aligned) for `kind`'s chunk size.
+    unsafe {
+        asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileConfig, options(nostack, readonly))
+    };
     let kb = w.k / QK;
     let r0 = run * ROWS_PER_UNIT;
     let valid = (w.rows - r0).min(ROWS_PER_UNIT);
@@ -152,27 +159,39 @@ pub(super) unsafe fn run_pieces(
         let t0 = piece * ROWS;
         let a = &acts[t0 * kb..(t0 + ROWS) * kb];
         let mut res = [_mm512_setzero_ps(); ROWS];
-        block.unpack(tiles, 0, scratch);
-        for b in 0..kb {
-            block.multiply(a, b, scratch);
-            if b + 1 < kb {
-                block.unpack(tiles, b + 1, scratch);
+        // SAFETY: the AVX-512 features by the attribute and the tiles (configured above for
+        // `kind`) by the caller; `tiles` is the run's `kb` whole tiles of `w.kind`'s layout,
+        // 64-byte aligned (`run_tiles`); `a` is 16 rows of `kb` blocks, `stride` apart;
+        // `scratch` is this thread's; block `b`'s weights are unpacked before its multiply,
+        // and its sums stored (multiply) before its float work (finish) reads them.
+        unsafe {
+            block.unpack(tiles, 0, scratch);
+            for b in 0..kb {
+                block.multiply(a, b, scratch);
+                if b + 1 < kb {
+                    block.unpack(tiles, b + 1, scratch);
+                }
+                if b > 0 {
+                    block.finish(tiles, a, b - 1, scratch, &mut res);
+                }
             }
-            if b > 0 {
-                block.finish(tiles, a, b - 1, scratch, &mut res);
-            }
+            block.finish(tiles, a, kb - 1, scratch, &mut res);
         }
-        block.finish(tiles, a, kb - 1, scratch, &mut res);
         for (t, v) in res.iter().enumerate() {
-            let o = out.as_mut_ptr().add((t0 + t) * w.rows + r0);
-            if valid == ROWS_PER_UNIT {
-                _mm512_storeu_ps(o, *v);
-            } else {
-                _mm512_mask_storeu_ps(o, (1u16 << valid) - 1, *v);
+            // SAFETY: `(t0 + t) * w.rows + r0 + valid <= 16·pieces·w.rows <= out.len()`
+            // (the caller), and only the `valid` rows are stored.
+            unsafe {
+                let o = out.as_mut_ptr().add((t0 + t) * w.rows + r0);
+                if valid == ROWS_PER_UNIT {
+                    _mm512_storeu_ps(o, *v);
+                } else {
+                    _mm512_mask_storeu_ps(o, (1u16 << valid) - 1, *v);
+                }
             }
         }
     }
-    asm!("tilerelease", options(nostack, nomem));
+    // SAFETY: the tiles were configured above; releasing them ends their use.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
 
 /// Whether `w` has an AMX kernel.
@@ -210,6 +229,13 @@ struct Block {
 
 /// `sums = acts (16 rows of K bytes at `a`, `stride` apart) x weights (K/4 lines at `w`)` on
 /// register set `SET` (0 or 1).
+///
+/// # Safety
+///
+/// The CPU has AMX-INT8 with the tile state granted, and the tiles are configured by
+/// [`config`] for this `K`; `a` is valid for reading 16 rows of `K` bytes, `stride` apart; `w`
+/// for reading `K / 4` lines of 64 bytes; `sums` for writing 16 rows of 16 i32 (64 bytes
+/// apart).
 #[inline(always)]
 unsafe fn multiply<const SET: usize>(a: *const i8, stride: usize, w: *const u8, sums: *mut i32) {
     macro_rules! on {
@@ -229,59 +255,82 @@ unsafe fn multiply<const SET: usize>(a: *const i8, stride: usize, w: *const u8, 
             )
         };
     }
-    if SET == 0 {
-        on!("tmm0", "tmm1", "tmm2");
-    } else {
-        on!("tmm3", "tmm4", "tmm5");
+    // SAFETY: the caller guarantees the tile state, its configuration and the three
+    // pointers' ranges.
+    unsafe {
+        if SET == 0 {
+            on!("tmm0", "tmm1", "tmm2");
+        } else {
+            on!("tmm3", "tmm4", "tmm5");
+        }
     }
 }
 
+/// 16 f16 at `at` in a tile, as f32.
+///
+/// # Safety
+///
+/// The CPU has AVX-512F (this is inlined into [`Block::finish`], which enables it), and
+/// `tile + at` is valid for reading 32 bytes.
 #[inline(always)]
 unsafe fn f16x16(tile: *const u8, at: usize) -> __m512 {
-    _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(at) as *const _))
+    // SAFETY: AVX-512F and the 32 bytes by the caller.
+    unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(at) as *const _)) }
 }
 
 impl Block {
     /// Block `b`'s weights into the scratch, in AMX's B layout: Q4_K's nibbles split, Q6_K's
     /// six bits assembled, as the AVX-512 kernel does in registers.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F, BW and VL; `tiles` holds at least `b + 1` whole tiles of this
+    /// kind's layout (`self.tile_bytes` each), from a 64-byte aligned start; `s` points at
+    /// a `Scratch` (its contents may be uninitialized) that nothing else uses meanwhile.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn unpack(&self, tiles: &[u8], b: usize, s: *mut Scratch) {
-        let tile = tiles.as_ptr().add(b * self.tile_bytes);
-        let lines = (*s).weights[b % 2].as_mut_ptr() as *mut u8;
-        let nib = _mm512_set1_epi8(0x0f);
-        let store = |line: usize, v: __m512i| _mm512_store_si512(lines.add(64 * line) as *mut _, v);
-        match self.kind {
-            Kind::Q4K => {
-                for p in 0..32 {
-                    super::prefetch_part(tile, self.tile_bytes, p, 32);
-                    let q = _mm512_load_si512(tile.add(64 * p) as *const _);
-                    store(2 * p, _mm512_and_si512(q, nib));
-                    store(2 * p + 1, _mm512_and_si512(_mm512_srli_epi16::<4>(q), nib));
+        // SAFETY: AVX-512F/BW/VL by the attribute; tile `b` lies in `tiles`, 64-byte aligned as
+        // every line read (the caller); the lines stored are `weights[b % 2]`'s 64 (Q4_K: 32 x 2,
+        // Q6_K: 16 x 4), 64-byte aligned as `Scratch` is.
+        unsafe {
+            let tile = tiles.as_ptr().add(b * self.tile_bytes);
+            let lines = (*s).weights[b % 2].as_mut_ptr() as *mut u8;
+            let nib = _mm512_set1_epi8(0x0f);
+            let store =
+                |line: usize, v: __m512i| _mm512_store_si512(lines.add(64 * line) as *mut _, v);
+            match self.kind {
+                Kind::Q4K => {
+                    for p in 0..32 {
+                        super::prefetch_part(tile, self.tile_bytes, p, 32);
+                        let q = _mm512_load_si512(tile.add(64 * p) as *const _);
+                        store(2 * p, _mm512_and_si512(q, nib));
+                        store(2 * p + 1, _mm512_and_si512(_mm512_srli_epi16::<4>(q), nib));
+                    }
                 }
-            }
-            Kind::Q6K => {
-                let two = _mm512_set1_epi8(0x03);
-                for c in 0..16 {
-                    super::prefetch_part(tile, self.tile_bytes, c, 16);
-                    let l0 = _mm512_load_si512(tile.add(64 * (2 * c)) as *const _);
-                    let l1 = _mm512_load_si512(tile.add(64 * (2 * c + 1)) as *const _);
-                    let h = _mm512_load_si512(tile.add(Q6K_HIGH + 64 * c) as *const _);
-                    let top = |shift: usize| match shift {
-                        0 => _mm512_and_si512(h, two),
-                        2 => _mm512_and_si512(_mm512_srli_epi16::<2>(h), two),
-                        4 => _mm512_and_si512(_mm512_srli_epi16::<4>(h), two),
-                        _ => _mm512_and_si512(_mm512_srli_epi16::<6>(h), two),
-                    };
-                    let low = [
-                        _mm512_and_si512(l0, nib),
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(l0), nib),
-                        _mm512_and_si512(l1, nib),
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(l1), nib),
-                    ];
-                    for (i, low) in low.iter().enumerate() {
-                        let v = _mm512_or_si512(*low, _mm512_slli_epi16::<4>(top(2 * i)));
-                        store(4 * c + i, v);
+                Kind::Q6K => {
+                    let two = _mm512_set1_epi8(0x03);
+                    for c in 0..16 {
+                        super::prefetch_part(tile, self.tile_bytes, c, 16);
+                        let l0 = _mm512_load_si512(tile.add(64 * (2 * c)) as *const _);
+                        let l1 = _mm512_load_si512(tile.add(64 * (2 * c + 1)) as *const _);
+                        let h = _mm512_load_si512(tile.add(Q6K_HIGH + 64 * c) as *const _);
+                        let top = |shift: usize| match shift {
+                            0 => _mm512_and_si512(h, two),
+                            2 => _mm512_and_si512(_mm512_srli_epi16::<2>(h), two),
+                            4 => _mm512_and_si512(_mm512_srli_epi16::<4>(h), two),
+                            _ => _mm512_and_si512(_mm512_srli_epi16::<6>(h), two),
+                        };
+                        let low = [
+                            _mm512_and_si512(l0, nib),
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(l0), nib),
+                            _mm512_and_si512(l1, nib),
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(l1), nib),
+                        ];
+                        for (i, low) in low.iter().enumerate() {
+                            let v = _mm512_or_si512(*low, _mm512_slli_epi16::<4>(top(2 * i)));
+                            store(4 * c + i, v);
+                        }
                     }
                 }
             }
@@ -289,27 +338,47 @@ impl Block {
     }
 
     /// Block `b`'s tile multiplies, every chunk, alternating register sets.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AMX-INT8 with the tile state granted, and the tiles are configured by
+    /// [`config`] for this kind; `b < self.kb`; `acts` holds 16 rows of `self.kb` blocks
+    /// (`self.stride` bytes apart); `s` points at a `Scratch` that nothing else uses meanwhile,
+    /// whose `weights[b % 2]` holds block `b`'s weights ([`Block::unpack`]).
     #[inline(always)]
     unsafe fn multiply(&self, acts: &[Q8K], b: usize, s: *mut Scratch) {
-        let k = self.kind.k();
-        let a0 = acts[b].qs.as_ptr();
-        let lines = (*s).weights[b % 2].as_ptr() as *const u8;
-        let sums = (*s).sums[b % 2].as_mut_ptr();
-        for c in 0..self.kind.chunks() {
-            let (a, w, out) = (
-                a0.add(k * c),
-                lines.add(64 * (k / 4) * c),
-                sums.add(c) as *mut i32,
-            );
-            if c % 2 == 0 {
-                multiply::<0>(a, self.stride, w, out);
-            } else {
-                multiply::<1>(a, self.stride, w, out);
+        // SAFETY: the caller guarantees the tiles and `s`; chunk `c`'s activations are the `k`
+        // bytes at `k * c` of block `b`'s `qs` in each of the 16 rows (`acts[b + row * kb]`,
+        // `stride` bytes apart); its weights `k / 4` lines of `weights[b % 2]`; its sums
+        // `sums[b % 2][c]`.
+        unsafe {
+            let k = self.kind.k();
+            let a0 = acts[b].qs.as_ptr();
+            let lines = (*s).weights[b % 2].as_ptr() as *const u8;
+            let sums = (*s).sums[b % 2].as_mut_ptr();
+            for c in 0..self.kind.chunks() {
+                let (a, w, out) = (
+                    a0.add(k * c),
+                    lines.add(64 * (k / 4) * c),
+                    sums.add(c) as *mut i32,
+                );
+                if c % 2 == 0 {
+                    multiply::<0>(a, self.stride, w, out);
+                } else {
+                    multiply::<1>(a, self.stride, w, out);
+                }
             }
         }
     }
 
     /// Block `b`'s float work, the AVX-512 kernel's operations in its order.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F, BW and VL; `tiles` holds at least `b + 1` whole tiles of this
+    /// kind's layout; `s` points at a `Scratch` whose `sums[b % 2]` hold block `b`'s sums
+    /// ([`Block::multiply`] ran for it: they are initialized), not written meanwhile. (`acts`
+    /// is indexed, checked.)
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn finish(
@@ -320,48 +389,53 @@ impl Block {
         s: *mut Scratch,
         res: &mut [__m512; ROWS],
     ) {
-        let tile = tiles.as_ptr().add(b * self.tile_bytes);
-        let sums = &(*s).sums[b % 2];
-        let kb = self.kb;
-        let mut acc = [_mm512_setzero_ps(); ROWS];
-        match self.kind {
-            Kind::Q4K => {
-                let d = f16x16(tile, Q4K_D);
-                let dmin = f16x16(tile, Q4K_DMIN);
-                for (c, sums) in sums.iter().take(8).enumerate() {
-                    let sc = _mm_loadu_si128(tile.add(Q4K_SCALES + 16 * c) as *const _);
-                    let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)), d);
-                    for (t, acc) in acc.iter_mut().enumerate() {
-                        let isum = _mm512_load_si512(sums[t].as_ptr() as *const _);
-                        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
+        // SAFETY: AVX-512F/BW/VL by the attribute; tile `b` lies in `tiles` and its scales,
+        // minimums and `d`s at their layout's offsets; `sums[b % 2]` initialized and 64-byte
+        // aligned (the caller; `Scratch` is aligned).
+        unsafe {
+            let tile = tiles.as_ptr().add(b * self.tile_bytes);
+            let sums = &(*s).sums[b % 2];
+            let kb = self.kb;
+            let mut acc = [_mm512_setzero_ps(); ROWS];
+            match self.kind {
+                Kind::Q4K => {
+                    let d = f16x16(tile, Q4K_D);
+                    let dmin = f16x16(tile, Q4K_DMIN);
+                    for (c, sums) in sums.iter().take(8).enumerate() {
+                        let sc = _mm_loadu_si128(tile.add(Q4K_SCALES + 16 * c) as *const _);
+                        let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)), d);
+                        for (t, acc) in acc.iter_mut().enumerate() {
+                            let isum = _mm512_load_si512(sums[t].as_ptr() as *const _);
+                            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
+                        }
+                    }
+                    for s in 0..8 {
+                        let mn = _mm_loadu_si128(tile.add(Q4K_MINS + 16 * s) as *const _);
+                        let mn = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)), dmin);
+                        for (t, acc) in acc.iter_mut().enumerate() {
+                            let a = &acts[t * kb + b];
+                            *acc = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.fsum32[s]), *acc);
+                        }
                     }
                 }
-                for s in 0..8 {
-                    let mn = _mm_loadu_si128(tile.add(Q4K_MINS + 16 * s) as *const _);
-                    let mn = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)), dmin);
-                    for (t, acc) in acc.iter_mut().enumerate() {
-                        let a = &acts[t * kb + b];
-                        *acc = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.fsum32[s]), *acc);
+                Kind::Q6K => {
+                    let d = f16x16(tile, Q6K_D);
+                    for (c, sums) in sums.iter().enumerate() {
+                        let sc = _mm_loadu_si128(tile.add(Q6K_SCALES + 16 * c) as *const _);
+                        let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), d);
+                        for (t, acc) in acc.iter_mut().enumerate() {
+                            // The sum starts at the offset term, as `vpdpbusd`'s does there.
+                            let start = _mm512_set1_epi32(acts[t * kb + b].q6k_start[c]);
+                            let tile_sum = _mm512_load_si512(sums[t].as_ptr() as *const _);
+                            let isum = _mm512_add_epi32(start, tile_sum);
+                            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
+                        }
                     }
                 }
             }
-            Kind::Q6K => {
-                let d = f16x16(tile, Q6K_D);
-                for (c, sums) in sums.iter().enumerate() {
-                    let sc = _mm_loadu_si128(tile.add(Q6K_SCALES + 16 * c) as *const _);
-                    let sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), d);
-                    for (t, acc) in acc.iter_mut().enumerate() {
-                        // The sum starts at the offset term, as `vpdpbusd`'s does there.
-                        let start = _mm512_set1_epi32(acts[t * kb + b].q6k_start[c]);
-                        let tile_sum = _mm512_load_si512(sums[t].as_ptr() as *const _);
-                        let isum = _mm512_add_epi32(start, tile_sum);
-                        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
-                    }
-                }
+            for (t, r) in res.iter_mut().enumerate() {
+                *r = _mm512_fmadd_ps(acc[t], _mm512_set1_ps(acts[t * kb + b].d), *r);
             }
-        }
-        for (t, r) in res.iter_mut().enumerate() {
-            *r = _mm512_fmadd_ps(acc[t], _mm512_set1_ps(acts[t * kb + b].d), *r);
         }
     }
 }

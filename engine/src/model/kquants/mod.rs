@@ -48,6 +48,13 @@ use tiles::Packed;
 /// whole tile at once (37 to 68 lines) overflowed the core's queue of outstanding misses and
 /// stalled the loads behind it, so that memory and arithmetic took turns instead of
 /// overlapping (spread out: the 127 MB output layer of a 0.6B model at 1 and 8 tokens, 2x).
+///
+/// # Safety
+///
+/// None: any `tile` is fine (the addresses are computed with wrapping arithmetic, and a
+/// prefetch never faults), and the instruction is SSE's, which every x86-64 CPU has. (Being
+/// `inline(always)`, the fn has no `#[target_feature]` of its own, so its call to
+/// `_mm_prefetch` needs an `unsafe` block.)
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn prefetch_part(tile: *const u8, tile_bytes: usize, part: usize, parts: usize) {
@@ -59,7 +66,8 @@ unsafe fn prefetch_part(tile: *const u8, tile_bytes: usize, part: usize, parts: 
     let ahead = tile.wrapping_add(pf * tile_bytes);
     let per = tile_bytes.div_ceil(64 * parts);
     for line in part * per..(part + 1) * per {
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line) as *const i8);
+        // SAFETY: SSE is part of x86-64, and a prefetch never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line) as *const i8) };
     }
 }
 
@@ -563,7 +571,8 @@ fn matmul_on(path: CpuPath, ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mu
                     // of weight `j`, which the caller's `&mut` lends for this call.
                     let out =
                         unsafe { std::slice::from_raw_parts_mut(outs[j].0 as *mut f32, outs[j].1) };
-                    // SAFETY: the CPU runs `path` (checked above).
+                    // SAFETY: the CPU runs `path`, and `out` has `m * w.rows` values (both
+                    // checked above).
                     unsafe { run_unit(path, w, acts, m, run, out) };
                 }
             });
@@ -574,6 +583,13 @@ fn matmul_on(path: CpuPath, ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mu
 }
 
 /// Run `run` of `w` on `path`'s kernel, which the CPU must run.
+///
+/// # Safety
+///
+/// The CPU runs `path` ([`CpuPath::runs`]: its features, and for `Amx` the tile permission),
+/// and `out` has at least `m * w.rows()` values (the x86 kernels store unchecked). `acts`
+/// must hold `m` rows of `w.k() / 256` blocks and `run` be below `w.rows().div_ceil(16)`; both
+/// are checked (a panic).
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 unsafe fn run_unit(
     path: CpuPath,
@@ -583,26 +599,37 @@ unsafe fn run_unit(
     run: usize,
     out: &mut [f32],
 ) {
+    // Every arm: the caller guarantees the CPU runs `path`, whose features each kernel needs
+    // (Amx's include Avx512's; every x86 path has AVX2, FMA and F16C), and that `out` has
+    // `m * w.rows` values.
     match path {
         #[cfg(target_arch = "x86_64")]
-        CpuPath::Avx512 => avx512::run(w, acts, m, 0, run, out),
+        // SAFETY: as above.
+        CpuPath::Avx512 => unsafe { avx512::run(w, acts, m, 0, run, out) },
         #[cfg(target_arch = "x86_64")]
         CpuPath::Amx => {
             // Whole pieces of 16 activation rows on the tiles, the rest on AVX-512.
             let pieces = if amx::has_kernel(w) { m / amx::ROWS } else { 0 };
             if pieces > 0 {
-                amx::run_pieces(w, acts, pieces, run, out);
+                // SAFETY: as above; `pieces * 16 <= m`, and the AMX tile permission is part
+                // of the Amx path.
+                unsafe { amx::run_pieces(w, acts, pieces, run, out) };
             }
-            avx512::run(w, acts, m, pieces * amx::ROWS, run, out)
+            // SAFETY: as above.
+            unsafe { avx512::run(w, acts, m, pieces * amx::ROWS, run, out) }
         }
         #[cfg(target_arch = "x86_64")]
-        CpuPath::AvxVnni => avx2::run_vnni(w, acts, m, run, out),
+        // SAFETY: as above.
+        CpuPath::AvxVnni => unsafe { avx2::run_vnni(w, acts, m, run, out) },
         #[cfg(target_arch = "x86_64")]
-        CpuPath::Avx2 => avx2::run_avx2(w, acts, m, run, out),
+        // SAFETY: as above.
+        CpuPath::Avx2 => unsafe { avx2::run_avx2(w, acts, m, run, out) },
         #[cfg(target_arch = "aarch64")]
-        CpuPath::NeonDot => neon::run_dot(w, acts, m, run, out),
+        // SAFETY: as above.
+        CpuPath::NeonDot => unsafe { neon::run_dot(w, acts, m, run, out) },
         #[cfg(target_arch = "aarch64")]
-        CpuPath::Neon => neon::run_neon(w, acts, m, run, out),
+        // SAFETY: as above.
+        CpuPath::Neon => unsafe { neon::run_neon(w, acts, m, run, out) },
         _ => unreachable!("{path:?} has no kernels on this architecture"),
     }
 }

@@ -143,7 +143,7 @@ fn the_portable_packer_writes_the_avx512_packers_bytes() {
         let lines = Packed::of(ty).unwrap().tile_bytes();
         for (r0, b) in [(0, 0), (16, 1)] {
             let (mut wide, mut portable) = (vec![0u8; lines], vec![1u8; lines]);
-            // SAFETY: the CPU has AVX-512 (checked above).
+            // SAFETY: the CPU has AVX-512 (checked above); `wide` is a whole tile.
             unsafe { avx512::pack_tile(Packed::of(ty).unwrap(), &data, r0, b, k / QK, &mut wide) };
             scalar::pack_tile(Packed::of(ty).unwrap(), &data, r0, b, k / QK, &mut portable);
             assert!(wide == portable, "{ty} tile ({r0}, {b}) differs");
@@ -317,6 +317,10 @@ fn timing() {
 }
 
 /// `iters` x 16 independent 512-bit `vpdpbusd`.
+///
+/// # Safety
+///
+/// The CPU has AVX-512F and AVX-512 VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vnni")]
 unsafe fn vnni_chains(iters: usize) -> i32 {
