@@ -11,10 +11,6 @@ use common::*;
 use refusion_engine::chat::{ChatTemplate, Message};
 use serde_json::json;
 
-fn python() -> String {
-    std::env::var("REFUSION_PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
 fn conversations() -> Vec<(Vec<Message>, bool)> {
     let m = Message::new;
     vec![

@@ -41,14 +41,6 @@ struct Goldens {
     cases: usize,
 }
 
-fn model_dir(name: &str) -> std::path::PathBuf {
-    if name == "refusion-tiny" {
-        trained_tiny()
-    } else {
-        fixture_model(name)
-    }
-}
-
 #[test]
 fn every_public_golden_case_matches_exactly() {
     check_every_case(&PUBLIC, None, None);

@@ -89,10 +89,6 @@ fn convert(s: &Setup, home: &Path, out: &str, extra: &[&str], env: &[(&str, &str
     refusion(s, home, &args, env)
 }
 
-fn python() -> String {
-    std::env::var("REFUSION_PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
 /// Runs Python's huggingface_hub against the stand-in Hub; prints what the snippet returns.
 fn hf_python(s: &Setup, home: &Path, code: &str) -> String {
     let o = Command::new(python())

@@ -23,14 +23,6 @@ fn goldens() -> Vec<Value> {
     doc["cases"].as_array().unwrap().clone()
 }
 
-fn model_dir(name: &str) -> std::path::PathBuf {
-    if name == "refusion-tiny" {
-        trained_tiny()
-    } else {
-        fixture_model(name)
-    }
-}
-
 fn models(dir: &std::path::Path, cases: &[Value], small_chunks: bool) -> HashMap<String, Qwen3> {
     let mut names: Vec<&str> = cases.iter().map(|c| c["model"].as_str().unwrap()).collect();
     names.sort();

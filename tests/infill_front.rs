@@ -8,10 +8,6 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::time::Duration;
-
 use common::server::Server;
 use common::*;
 use serde_json::{json, Value};
@@ -290,33 +286,6 @@ fn bad_templates_are_refused_in_one_line() {
     );
 }
 
-/// Status and body of one request.
-fn post(server: &Server, path: &str, body: &Value) -> (u16, String) {
-    let body = body.to_string();
-    let mut s = TcpStream::connect(server.addr()).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body.as_bytes()).unwrap();
-    let mut buf = Vec::new();
-    let _ = s.read_to_end(&mut buf);
-    let text = String::from_utf8_lossy(&buf).to_string();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    (
-        head.split_whitespace().nth(1).unwrap().parse().unwrap(),
-        body.to_string(),
-    )
-}
-
-fn post_json(server: &Server, path: &str, body: &Value) -> Value {
-    let (status, text) = post(server, path, body);
-    assert_eq!(status, 200, "{path}: {text}");
-    serde_json::from_str(&text).unwrap()
-}
-
 /// The `data:` objects of a server-sent event stream (chunked bodies: data lines only).
 fn sse(text: &str) -> Vec<Value> {
     text.lines()
@@ -327,13 +296,13 @@ fn sse(text: &str) -> Vec<Value> {
 }
 
 fn detok(server: &Server, ids: &Value) -> String {
-    let v = post_json(server, "/detokenize", &json!({"tokens": ids}));
+    let v = server.post_json("/detokenize", &json!({"tokens": ids}));
     v["content"].as_str().unwrap().to_string()
 }
 
 /// Whether `text` tokenizes to `ids`.
 fn retokenizes(server: &Server, text: &str, ids: &Value) -> bool {
-    post_json(server, "/tokenize", &json!({"content": text}))["tokens"] == *ids
+    server.post_json("/tokenize", &json!({"content": text}))["tokens"] == *ids
 }
 
 fn knobs(c: &Value) -> Value {
@@ -374,8 +343,7 @@ fn every_api_fills_the_gaps_as_the_reference() {
         let truncated = c["fills"][0]["truncated"].as_bool().unwrap();
         let prompt_text = detok(&server, &c["prompt_ids"]);
         let k = knobs(c);
-        let v = post_json(
-            &server,
+        let v = server.post_json(
             "/v1/completions",
             &merged(
                 json!({"prompt": c["prompt_ids"], "suffix": suffix, "max_tokens": n}),
@@ -385,10 +353,9 @@ fn every_api_fills_the_gaps_as_the_reference() {
         assert_eq!(v["choices"][0]["text"], fill, "{} completions", c["id"]);
         let reason = if truncated { "length" } else { "stop" };
         assert_eq!(v["choices"][0]["finish_reason"], reason, "{}", c["id"]);
-        let streamed = post(
-            &server,
+        let streamed = server.post(
             "/v1/completions",
-            &merged(
+            merged(
                 json!({"prompt": c["prompt_ids"], "suffix": suffix, "max_tokens": n, "stream": true}),
                 &k,
             ),
@@ -400,8 +367,7 @@ fn every_api_fills_the_gaps_as_the_reference() {
         assert_eq!(text, fill, "{} completions streamed", c["id"]);
         // /infill takes text: the same answer as completions given that text (and the
         // golden fill where the text tokenizes back to the golden's prompt ids).
-        let v = post_json(
-            &server,
+        let v = server.post_json(
             "/infill",
             &merged(
                 json!({"input_prefix": prompt_text, "input_suffix": suffix, "n_predict": n}),
@@ -411,8 +377,7 @@ fn every_api_fills_the_gaps_as_the_reference() {
         let fill = if retokenizes(&server, &prompt_text, &c["prompt_ids"]) {
             fill
         } else {
-            let by_text = post_json(
-                &server,
+            let by_text = server.post_json(
                 "/v1/completions",
                 &merged(
                     json!({"prompt": prompt_text, "suffix": suffix, "max_tokens": n}),
@@ -423,10 +388,9 @@ fn every_api_fills_the_gaps_as_the_reference() {
         };
         assert_eq!(v["content"], fill, "{} /infill", c["id"]);
         assert_eq!(v["stop_type"], if truncated { "limit" } else { "eos" });
-        let streamed = post(
-            &server,
+        let streamed = server.post(
             "/infill",
-            &merged(
+            merged(
                 json!({"input_prefix": prompt_text, "input_suffix": suffix, "n_predict": n, "stream": true}),
                 &k,
             ),
@@ -451,17 +415,15 @@ fn every_api_fills_the_gaps_as_the_reference() {
         .unwrap();
     let prompt_text = detok(&server, &c["prompt_ids"]);
     assert!(retokenizes(&server, &prompt_text, &c["prompt_ids"]));
-    let v = post_json(
-        &server,
+    let v = server.post_json(
         "/api/generate",
         &json!({"prompt": prompt_text, "raw": true, "suffix": suffix,
                 "stream": false, "options": {"num_predict": 512}}),
     );
     assert_eq!(v["response"], c["fills"][0]["text"]);
-    let (_, body) = post(
-        &server,
+    let (_, body) = server.post(
         "/api/generate",
-        &json!({"prompt": prompt_text, "raw": true, "suffix": suffix,
+        json!({"prompt": prompt_text, "raw": true, "suffix": suffix,
                 "options": {"num_predict": 512}}),
     );
     let streamed: String = body
@@ -501,7 +463,7 @@ fn chat_completions_fill_an_answers_markers_when_asked() {
                    "infill": true}),
             &knobs(c),
         );
-        let v = post_json(&server, "/v1/chat/completions", &body);
+        let v = server.post_json("/v1/chat/completions", &body);
         let fills: Vec<String> = c["fills"]
             .as_array()
             .unwrap()
@@ -517,10 +479,9 @@ fn chat_completions_fill_an_answers_markers_when_asked() {
         }
         assert_eq!(v["choices"][0]["message"]["content"], stitched.as_str());
         // Streamed: each delta names its gap; per gap they add up to its fill.
-        let (_, text) = post(
-            &server,
+        let (_, text) = server.post(
             "/v1/chat/completions",
-            &merged(body, &json!({"stream": true})),
+            merged(body, &json!({"stream": true})),
         );
         let mut per_gap = vec![String::new(); fills.len()];
         for e in sse(&text) {
@@ -534,8 +495,7 @@ fn chat_completions_fill_an_answers_markers_when_asked() {
     }
     assert!(checked >= 4);
     // Without "infill", markers are text: the answer continues after them as usual.
-    let v = post_json(
-        &server,
+    let v = server.post_json(
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content": "What is 2 + 3?"},
                              {"role": "assistant", "content": "{{gap}}"}], "max_tokens": 8}),
@@ -622,7 +582,7 @@ fn template_mistakes_are_400s_naming_the_field() {
             "0 or more",
         ),
     ] {
-        let (status, text) = post(&server, path, &body);
+        let (status, text) = server.post(path, &body);
         assert_eq!(status, 400, "{path} {body}: {text}");
         let v: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["error"]["param"], field, "{path} {body}: {text}");
@@ -633,14 +593,12 @@ fn template_mistakes_are_400s_naming_the_field() {
     }
     // A special token's text in a suffix or a known span is text (llama.cpp's
     // `parse_special: false`): answered, and kept as written.
-    let (status, text) = post(
-        &server,
+    let (status, text) = server.post(
         "/v1/completions",
-        &json!({"prompt": "hi", "suffix": "<|mask|>", "max_tokens": 8}),
+        json!({"prompt": "hi", "suffix": "<|mask|>", "max_tokens": 8}),
     );
     assert_eq!(status, 200, "{text}");
-    let v = post_json(
-        &server,
+    let v = server.post_json(
         "/v1/chat/completions",
         &merged(chat("a <|im_end|> b{{gap:8}}"), &json!({"max_tokens": 8})),
     );
@@ -719,8 +677,7 @@ fn editor_plugins_fill_in_the_middle_requests() {
     let before = format!("{prefix}{cursor_line}");
     let fill_of = |content: &str| format!("{before}{content}{after}");
     // llama.vim.
-    let v = post_json(
-        &server,
+    let v = server.post_json(
         "/infill",
         &json!({
             "input_prefix": prefix, "input_suffix": after,
@@ -743,8 +700,7 @@ fn editor_plugins_fill_in_the_middle_requests() {
         "the suffix repeated: {content:?}"
     );
     // llama.vim's context-only request.
-    let v = post_json(
-        &server,
+    let v = server.post_json(
         "/infill",
         &json!({"input_prefix": "", "input_suffix": "", "prompt": "",
                 "input_extra": [{"text": prompt_text, "time": [1, 2], "filename": "a.py"}],
@@ -754,8 +710,7 @@ fn editor_plugins_fill_in_the_middle_requests() {
     );
     assert_eq!(v, json!({}));
     // llama.vscode.
-    let v = post_json(
-        &server,
+    let v = server.post_json(
         "/infill",
         &json!({
             "input_prefix": prefix, "input_suffix": after,
@@ -777,10 +732,9 @@ fn editor_plugins_fill_in_the_middle_requests() {
     assert_eq!(v["stop_type"], "eos");
     assert!(v["timings"]["predicted_n"].as_u64().unwrap() > 0);
     // Continue, OpenAI: the prompt as text (the chat header written out), streamed, its stops.
-    let (status, body) = post(
-        &server,
+    let (status, body) = server.post(
         "/v1/completions",
-        &json!({"model": "refusion", "prompt": format!("{prompt_text}{before}"), "suffix": after,
+        json!({"model": "refusion", "prompt": format!("{prompt_text}{before}"), "suffix": after,
                 "max_tokens": n, "temperature": 0, "stream": true,
                 "stop": ["\n\n\n", "```", "/src/", "#- coding: utf-8"]}),
     );
@@ -794,8 +748,7 @@ fn editor_plugins_fill_in_the_middle_requests() {
     let cut = cut.split("```").next().unwrap();
     assert_eq!(streamed, cut, "Continue (OpenAI)");
     // Continue, ollama.
-    let v = post_json(
-        &server,
+    let v = server.post_json(
         "/api/generate",
         &json!({"model": "refusion", "prompt": format!("{prompt_text}{before}"), "suffix": after,
                 "raw": true, "stream": false,

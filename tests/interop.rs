@@ -11,10 +11,6 @@ use std::process::Command;
 
 use common::*;
 
-fn python() -> String {
-    std::env::var("REFUSION_PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
 fn check(gguf: &Path, hf_dir: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/interop/check_gguf.py");
     let o = Command::new(python())

@@ -152,24 +152,6 @@ fn bench_checks_the_context_before_the_table() {
     assert!(!err.contains("| model"), "the table started: {err}");
 }
 
-/// A POST over a raw connection: the status and the body.
-fn post(server: &Server, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(server.addr()).unwrap();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let status = text.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (
-        status,
-        text.split("\r\n\r\n").nth(1).unwrap_or("").to_string(),
-    )
-}
-
 /// Request fields this server cannot honour are refused by name (item 6), never silently
 /// ignored; their "off" values pass. On ollama's paths the error is ollama's `{"error": "..."}`.
 #[test]
@@ -211,7 +193,7 @@ fn unsupported_request_fields_are_refused_by_name() {
             "parse_special",
         ),
     ] {
-        let (status, answer) = post(&server, path, &body);
+        let (status, answer) = server.post(path, &body);
         assert_eq!(status, 400, "{path} {body}: {answer}");
         let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
         assert_eq!(v["error"]["param"], param, "{path} {body}: {answer}");
@@ -236,12 +218,12 @@ fn unsupported_request_fields_are_refused_by_name() {
                 .into(),
         ),
     ] {
-        let (status, answer) = post(&server, path, &body);
+        let (status, answer) = server.post(path, &body);
         assert_eq!(status, 200, "{path} {body}: {answer}");
     }
     for path in ["/api/generate", "/api/chat"] {
         let body = r#"{"model":"m","prompt":"hi","messages":[{"role":"user","content":"hi"}],"format":"json"}"#;
-        let (status, answer) = post(&server, path, body);
+        let (status, answer) = server.post(path, body);
         assert_eq!(status, 400, "{path}: {answer}");
         let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
         assert!(

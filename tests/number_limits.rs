@@ -6,7 +6,7 @@
 mod common;
 
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -115,12 +115,6 @@ fn values() -> Vec<String> {
     v.iter().map(|n| n.to_string()).collect()
 }
 
-fn model(dir: &Path) -> PathBuf {
-    let out = dir.join("a.gguf");
-    convert_quiet(&fixture_model("pub-a"), &out, "f32");
-    out
-}
-
 fn generate_args(m: &Path, extra: &[&str]) -> Vec<String> {
     let mut a: Vec<String> = [
         "generate",
@@ -149,7 +143,7 @@ fn assert_names(o: &Outcome, names: &[&str], what: &str) {
 #[test]
 fn every_numeric_flag_works_or_is_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let m = pub_a_f32(tmp.path());
     let flags: &[(&str, &[&str])] = &[
         ("-n", &["-n", "--gen-length", "gen length"]),
         ("--slot-size", &["--slot-size", "slot size", "-token slots"]),
@@ -206,7 +200,7 @@ fn every_numeric_flag_works_or_is_refused_by_name() {
 #[test]
 fn every_refusion_key_works_or_is_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let m = pub_a_f32(tmp.path());
     let keys = [
         "refusion.gen_length",
         "refusion.slot_size",
@@ -267,7 +261,7 @@ fn every_refusion_key_works_or_is_refused_by_name() {
 #[test]
 fn a_huge_gen_length_in_the_file_is_refused_by_every_command() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let m = pub_a_f32(tmp.path());
     let edited = tmp.path().join("edited.gguf");
     with_metadata(&m, &edited, |meta| {
         meta.retain(|(k, _)| k != "refusion.gen_length");
@@ -297,7 +291,7 @@ fn a_huge_gen_length_in_the_file_is_refused_by_every_command() {
 #[test]
 fn minus_one_means_the_files_gen_length_and_a_random_seed() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let m = pub_a_f32(tmp.path());
     let json = |extra: &[&str]| {
         let mut a = generate_args(&m, &["--json"]);
         a.extend(extra.iter().map(|s| s.to_string()));
@@ -327,7 +321,7 @@ fn minus_one_means_the_files_gen_length_and_a_random_seed() {
 #[test]
 fn threads_beyond_the_cpus_are_warned_about_and_absurd_counts_refused() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let m = pub_a_f32(tmp.path());
     let cpus = std::thread::available_parallelism().unwrap().get();
     let many = (cpus * 4).min(512).to_string();
     let mut a = generate_args(&m, &["-n", "8", "-t", &many]);

@@ -322,21 +322,11 @@ fn a_common_prompt_is_held_once_and_a_cancelled_neighbour_leaves_the_other_exact
 
 /// A POST over loopback (one request per connection); the JSON answer.
 fn post(base: &str, path: &str, body: &Value) -> Value {
-    use std::io::{Read, Write};
     let addr = base.trim_start_matches("http://");
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    let body = body.to_string();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, json) = out.split_once("\r\n\r\n").unwrap();
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{json}");
-    serde_json::from_str(json).unwrap()
+    let (status, json) = common::server::try_post(addr, path, body.to_string().as_bytes())
+        .unwrap_or_else(|| panic!("POST {path}: no answer"));
+    assert_eq!(status, 200, "{json}");
+    serde_json::from_str(&json).unwrap()
 }
 
 #[test]

@@ -11,12 +11,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn model(dir: &Path) -> PathBuf {
-    let out = dir.join("a.gguf");
-    convert_quiet(&fixture_model("pub-a"), &out, "f32");
-    out
-}
-
 fn generate(m: &Path, extra: &[&str]) -> Output {
     let mut args = vec![
         "generate",
@@ -46,7 +40,7 @@ fn refused_untouched(o: &Output, file: &Path, before: &[u8], needles: &[&str]) {
 #[test]
 fn a_kv_file_never_overwrites_a_model_or_a_file_that_is_not_ours() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let m = pub_a_f32(tmp.path());
     let model_bytes = std::fs::read(&m).unwrap();
 
     // A copy of a model (another GGUF) under the cache's name.
@@ -85,7 +79,7 @@ fn a_kv_file_never_overwrites_a_model_or_a_file_that_is_not_ours() {
 #[test]
 fn a_kv_file_of_ours_an_empty_file_or_a_new_path_is_used() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let m = pub_a_f32(tmp.path());
     let plain = generate(&m, &[]);
     assert!(plain.status.success(), "{}", stderr(&plain));
 
@@ -109,7 +103,7 @@ fn a_kv_file_of_ours_an_empty_file_or_a_new_path_is_used() {
 #[test]
 fn a_prompt_cache_never_overwrites_a_file_that_is_not_ours() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let m = pub_a_f32(tmp.path());
     let model_bytes = std::fs::read(&m).unwrap();
     let notes = tmp.path().join("notes.txt");
     std::fs::write(&notes, b"do not lose me").unwrap();
@@ -178,7 +172,7 @@ fn run_within(args: &[&str], limit: Duration) -> Option<Output> {
 #[test]
 fn a_fifo_or_a_device_is_refused_at_once_wherever_a_file_is_read() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let m = pub_a_f32(tmp.path());
     let m = m.to_str().unwrap();
     let fifo = tmp.path().join("f.gguf");
     let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
@@ -240,7 +234,7 @@ fn a_closed_stdout_ends_every_command_quietly() {
     use std::io::Read;
     use std::os::unix::process::ExitStatusExt;
     let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let m = pub_a_f32(tmp.path());
     let m = m.to_str().unwrap();
     for args in [
         vec![
@@ -323,7 +317,7 @@ fn plant_links(dir: &Path, target: &Path, model: &Path) -> Vec<(PathBuf, Vec<u8>
 fn no_writer_writes_through_a_planted_link() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let m = model(dir);
+    let m = pub_a_f32(dir);
     let ms = m.to_str().unwrap();
     let batch = dir.join("in.jsonl");
     std::fs::write(&batch, "{\"prompt\":[1,2,3],\"max_tokens\":4}\n").unwrap();
@@ -459,7 +453,7 @@ fn an_output_that_is_a_link_or_not_a_file_is_refused_before_any_work() {
         .unwrap()
         .file_type()
         .is_symlink());
-    let m = model(dir);
+    let m = pub_a_f32(dir);
     let batch = dir.join("in.jsonl");
     std::fs::write(&batch, "{\"prompt\":[1,2,3],\"max_tokens\":4}\n").unwrap();
     let o = run(&[
@@ -551,7 +545,7 @@ fn two_converts_to_one_output_leave_one_whole_output() {
 #[test]
 fn every_text_input_is_bounded_and_only_a_file_or_stdin_is_read() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let m = pub_a_f32(tmp.path());
     let m = m.to_str().unwrap();
     let fifo = tmp.path().join("prompt.txt");
     assert!(Command::new("mkfifo")

@@ -405,6 +405,28 @@ pub fn convert_quiet(dir: &Path, out: &Path, outtype: &str) {
 
 /// A tiny model with the real ReFusion vocabulary, converted to Q8_0 in `dir`.
 /// The trained tiny ReFusion's Hugging Face folder (`models/refusion-tiny`).
+/// The Python that runs the reference scripts and the official clients (`REFUSION_PYTHON`,
+/// as `.ci/run` sets it to its virtualenv; else `python3`).
+pub fn python() -> String {
+    std::env::var("REFUSION_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+/// A golden case's model folder: the trained tiny model, or a random fixture by name.
+pub fn model_dir(name: &str) -> PathBuf {
+    if name == "refusion-tiny" {
+        trained_tiny()
+    } else {
+        fixture_model(name)
+    }
+}
+
+/// The random fixture `pub-a` converted at f32 into `dir` (`a.gguf`).
+pub fn pub_a_f32(dir: &Path) -> PathBuf {
+    let out = dir.join("a.gguf");
+    convert_quiet(&fixture_model("pub-a"), &out, "f32");
+    out
+}
+
 pub fn trained_tiny() -> PathBuf {
     fixtures().join("../../models/refusion-tiny")
 }

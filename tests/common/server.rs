@@ -1,6 +1,7 @@
 //! A `refusion serve` process on a tiny model over loopback, for the server tests.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
@@ -123,6 +124,20 @@ impl Server {
         Err(seen.join("\n"))
     }
 
+    /// A POST of `body` (JSON text, or a `serde_json::Value`) to `path`: the status and the
+    /// raw body (chunked or not).
+    pub fn post(&self, path: &str, body: impl std::fmt::Display) -> (u16, String) {
+        try_post(&self.addr(), path, body.to_string().as_bytes())
+            .unwrap_or_else(|| panic!("POST {path}: no answer"))
+    }
+
+    /// A POST that must answer 200: its JSON.
+    pub fn post_json(&self, path: &str, body: &serde_json::Value) -> serde_json::Value {
+        let (status, text) = self.post(path, body);
+        assert_eq!(status, 200, "{path}: {text}");
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"))
+    }
+
     /// `host:port`, for raw sockets.
     pub fn addr(&self) -> String {
         self.base.trim_start_matches("http://").to_string()
@@ -149,4 +164,23 @@ impl Server {
         }
         None
     }
+}
+
+/// One POST over a raw loopback connection (`Connection: close`, any bytes as the body): the
+/// status and the raw body, or `None` when no answer came (within two minutes).
+pub fn try_post(addr: &str, path: &str, body: &[u8]) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(120))).ok()?;
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).ok()?;
+    s.write_all(body).ok()?;
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf).to_string();
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((status, body.to_string()))
 }

@@ -281,6 +281,34 @@ thread_local! {
     static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
+/// What the unchecked loads and stores of [`attend`]'s kernels rely on, checked once per call
+/// (a few comparisons per token): the shapes agree with the cache, and every slot a token sees
+/// lies inside it. A safe caller can then never make them read or write out of bounds.
+fn check_sight(q: &[f32], cache: &KvCache, visible: &[Visible<'_>], heads: Heads, out: &[f32]) {
+    let shape = cache.shape();
+    let n = visible.len() * heads.n * heads.dim;
+    assert!(
+        heads.dim == shape.head_dim && heads.kv == shape.n_kv_heads,
+        "attention heads {heads:?} do not match the cache ({} KV heads of {})",
+        shape.n_kv_heads,
+        shape.head_dim
+    );
+    assert!(
+        heads.kv > 0 && heads.n.is_multiple_of(heads.kv),
+        "{heads:?}: query heads not whole groups"
+    );
+    assert!(
+        q.len() >= n && out.len() >= n,
+        "attention buffers shorter than the batch"
+    );
+    for v in visible {
+        let inside = v.prefix.iter().all(|g| g.start + g.len <= shape.capacity)
+            && v.count <= v.row_slots.len()
+            && v.row_slots[..v.count].iter().all(|&s| s < shape.capacity);
+        assert!(inside, "a token sees slots outside the cache");
+    }
+}
+
 /// `q`: `[n, n_heads, head_dim]` (after RoPE); writes `[n, n_heads, head_dim]` to `out`.
 ///
 /// Batch-invariant: each token's result is computed in the same order (its prefix entries in
@@ -296,6 +324,7 @@ pub fn attend(
     out: &mut [f32],
 ) {
     let (n_heads, n_kv_heads, head_dim) = (heads.n, heads.kv, heads.dim);
+    check_sight(q, cache, visible, heads, out);
     /// Tokens of one sequence handled together: each prefix entry is read once for all of them.
     const BLOCK: usize = 8;
     let group = n_heads / n_kv_heads;
