@@ -814,7 +814,7 @@ fn eventually(limit: Duration, what: &str, mut f: impl FnMut() -> bool) {
 }
 
 #[test]
-fn requests_whose_clients_left_while_queued_free_their_places_at_once() {
+fn queued_places_free_when_clients_leave_and_mistakes_never_take_one() {
     let tmp = tempfile::tempdir().unwrap();
     let model = fast_model(tmp.path());
     let server = Server::start(
@@ -857,6 +857,12 @@ fn requests_whose_clients_left_while_queued_free_their_places_at_once() {
     });
     let (status, _, body) = request(&server, "POST", CHAT, &[], &chat_body(8, false));
     assert_eq!(status, 503, "the queue was not full: {body}");
+    // A mistake is answered at once without taking a place: checked in its handler, so a
+    // 400 naming it, never the full queue's 503.
+    let bad = chat_body(8, false).replacen('{', r#"{"strategy":"sideways","#, 1);
+    let (status, _, body) = request(&server, "POST", CHAT, &[], &bad);
+    assert_eq!(status, 400, "a bad request waited for a place: {body}");
+    assert!(body.contains("unknown strategy 'sideways'"), "{body}");
     // Their clients leave: the places are free at once (the running request still runs),
     // and the two are counted cancelled.
     let before = metric(&server, "requests_cancelled_total");
