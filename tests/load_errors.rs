@@ -219,6 +219,20 @@ fn device_and_flag_errors() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(kv.exists());
     assert!(stdout(&o).contains("pp4 @ d8"));
+    // llama.cpp's block types for the cache (`-ctk q8_0 -ctv q8_0`): rows of whole blocks, so
+    // a head size that is not one is refused in one line before the weights load.
+    let o = run(&[
+        "bench", "-m", m, "-p", "4", "-r", "1", "-d", "8", "-ctk", "q8_0", "-ctv", "q8_0",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("pp4 @ d8"));
+    let b = tmp.path().join("b.gguf");
+    convert_quiet(&fixture_model("pub-b"), &b, "f32");
+    let o = run(&["bench", "-m", b.to_str().unwrap(), "--cache-type", "q4_0"]);
+    assert_fails_with(
+        &o,
+        &["a q4_0 KV cache needs a head size that is a multiple of 32; this model's is 24"],
+    );
     // llama.cpp's -ngl and -ub: bad values are refused; on the CPU, -ngl is a warning and the
     // plan shows every layer on the CPU; forwards longer than -ub run in chunks.
     let o = run(&["bench", "-m", m, "-ngl", "lots"]);

@@ -32,7 +32,8 @@ pub struct ModelArgs {
     /// Threads for the forward (default: all cores).
     #[arg(short = 't', long, value_parser = parse_threads, allow_negative_numbers = true)]
     pub threads: Option<usize>,
-    /// KV cache element type: f32 or f16.
+    /// KV cache element type: f32 (exact, the default), f16, bf16, q8_0, q5_1, q5_0, q4_1 or
+    /// q4_0 (llama.cpp's names; the block types on the CPU only).
     #[arg(long, default_value = "f32", value_parser = parse_cache_type)]
     pub cache_type: CacheType,
     /// Back the KV cache with this file instead of anonymous memory.
@@ -151,7 +152,7 @@ impl ModelArgs {
             anyhow::anyhow!(
                 "{flag} {} alone: refusion keeps K and V in one type; give -ctk and -ctv the same \
                  type (or --cache-type)",
-                format!("{t:?}").to_lowercase()
+                t.name()
             )
         };
         let cache_type = match (self.cache_type_k, self.cache_type_v) {
@@ -161,8 +162,8 @@ impl ModelArgs {
             (Some(k), Some(v)) if k != v => anyhow::bail!(
                 "-ctk {} and -ctv {}: refusion keeps K and V in one type; give the same to both \
                  (or --cache-type)",
-                format!("{k:?}").to_lowercase(),
-                format!("{v:?}").to_lowercase()
+                k.name(),
+                v.name()
             ),
             (Some(t), Some(_)) => t,
         };

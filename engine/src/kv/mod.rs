@@ -157,6 +157,7 @@ impl KvCache {
         path: Option<&Path>,
         device_layers: Option<(&Device, usize)>,
     ) -> Result<KvCache> {
+        ty.check_head_dim(shape.head_dim).map_err(Error::setup)?;
         let device = DeviceStore::new(&shape, ty, device_layers)?;
         let host = HostStore::new(&shape, device.len(), ty, path)?;
         Ok(KvCache {

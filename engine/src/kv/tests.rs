@@ -79,6 +79,8 @@ fn check_ops(mut c: KvCache) {
     match c.cache_type() {
         CacheType::F32 => assert_eq!(v, -(10.0 * 100.0 + 10.0 + 0.01)),
         CacheType::F16 => assert!((v + 1010.01).abs() < 1.0),
+        // The block types need whole blocks (32 values): tested at head size 32 below.
+        other => panic!("{other:?} at head size 4"),
     }
     // Drop rows beyond the first, crop the shared prefix, remove entries.
     fill(&mut c, &[0, 1, 2], &[30.0, 31.0, 32.0]);
@@ -222,4 +224,58 @@ fn bytes_per_token_matches_refusion_8b() {
         capacity: 1,
     };
     assert_eq!(s.bytes_per_token(CacheType::F16), 147_456);
+}
+
+/// The block types (llama.cpp's `-ctk q8_0` ...): whole blocks only, rows read back within
+/// their rounding through every storage (map, file), saved prefixes carry the type.
+#[test]
+fn block_types_store_rows_and_their_prefix_files_name_them() {
+    let wide = CacheShape {
+        head_dim: 32,
+        ..shape()
+    };
+    let e = KvCache::new(shape(), CacheType::Q8_0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("multiple of 32") && e.contains("q8_0"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    for ty in [CacheType::Q8_0, CacheType::Q4_0, CacheType::Bf16] {
+        let mut c = KvCache::new(wide, ty).unwrap();
+        let positions = [0u32, 1, 2];
+        let slots = c.allocate(&[0, 0, 0], &positions).unwrap();
+        let n = 3 * 2 * 32;
+        let k: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 61) as f32 * 0.1 - 3.0)
+            .collect();
+        let v: Vec<f32> = k.iter().map(|x| -x).collect();
+        for layer in 0..2 {
+            c.write(layer, &slots, &k, &v);
+        }
+        c.commit_row(0).unwrap();
+        let tol = match ty {
+            CacheType::Q4_0 => 3.0 / 7.0,
+            _ => 3.0 / 100.0,
+        };
+        for (i, &slot) in slots.iter().enumerate() {
+            let got = c.entry(1, Kv::V, 1, slot).unwrap();
+            let want = &v[(i * 2 + 1) * 32..(i * 2 + 2) * 32];
+            for (a, b) in got.iter().zip(want) {
+                assert!((a - b).abs() <= tol, "{ty:?}: {b} read back as {a}");
+            }
+        }
+        let path = dir.path().join(format!("{}.kv", ty.name()));
+        c.save_prefix(&path, 42, &[7, 8, 9], b"").unwrap();
+        let mut d = KvCache::new(wide, ty).unwrap();
+        d.load_prefix(&path, 42).unwrap();
+        for s in 0..3 {
+            assert_eq!(
+                d.entry(0, Kv::K, 0, s).unwrap(),
+                c.entry(0, Kv::K, 0, s).unwrap()
+            );
+        }
+        let mut f = KvCache::new(wide, CacheType::F32).unwrap();
+        let e = f.load_prefix(&path, 42).unwrap_err().to_string();
+        assert!(e.contains(&format!("{ty:?}")), "{e}");
+    }
 }

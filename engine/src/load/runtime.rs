@@ -474,6 +474,9 @@ fn load_weights(
             ));
         }
     }
+    opts.cache_type
+        .check_head_dim(cfg.head_dim)
+        .map_err(Error::setup)?;
     let sizes = ModelSizes::from_gguf(&file.header, &cfg, opts.cache_type);
     let request = PlanRequest {
         gpu,
@@ -488,6 +491,12 @@ fn load_weights(
     };
     let plan = MemoryPlan::new(&sizes, &request)
         .map_err(|r| Error::setup(format!("{}\n{}", r.reason, r.plan)))?;
+    if plan.gpu_layers > 0 && opts.cache_type.kind().dtype().is_none() {
+        return Err(Error::setup(format!(
+            "the {} KV cache has no GPU path yet: use -ngl 0, or --cache-type f16",
+            opts.cache_type.name()
+        )));
+    }
     if plan.gpu.is_some() || opts.verbose {
         opts.notes.say(&plan.to_string());
     }

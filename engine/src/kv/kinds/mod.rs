@@ -1,9 +1,11 @@
 //! The element types of the KV cache, one file each. A type says how a row of `head_dim`
 //! values is stored (its bytes, in blocks of `block_len` values) and read back for attention;
 //! the cache's storage ([`super::host`], [`super::device`], [`super::saved`]) and attention
-//! only ever go through [`KvKind`]. A new type is one file here, its line in [`CacheType`]'s
-//! list, and (for speed) its attention kernels.
+//! only ever go through [`KvKind`]. A new type is one file here (or, for another of GGUF's
+//! block types, one line in `blocks.rs`), its line in [`CacheType`], and (for speed) its
+//! attention kernels.
 
+mod blocks;
 mod f16;
 mod f32;
 
@@ -32,22 +34,57 @@ pub trait KvKind: Sync {
     }
 }
 
-/// Element type of the cache (`--cache-type`): a name for one [`KvKind`].
+/// Element type of the cache (`--cache-type`, `-ctk`/`-ctv`): a name for one [`KvKind`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheType {
     F32,
     F16,
+    Bf16,
+    Q8_0,
+    Q5_1,
+    Q5_0,
+    Q4_1,
+    Q4_0,
 }
 
 impl CacheType {
     /// Every type, in the order the help lists them.
-    pub const ALL: [CacheType; 2] = [CacheType::F32, CacheType::F16];
+    pub const ALL: [CacheType; 8] = [
+        CacheType::F32,
+        CacheType::F16,
+        CacheType::Bf16,
+        CacheType::Q8_0,
+        CacheType::Q5_1,
+        CacheType::Q5_0,
+        CacheType::Q4_1,
+        CacheType::Q4_0,
+    ];
 
     /// The type's storage and reading (the one place a type is matched).
     pub fn kind(self) -> &'static dyn KvKind {
         match self {
             CacheType::F32 => &f32::F32,
             CacheType::F16 => &f16::F16,
+            CacheType::Bf16 => &blocks::BF16,
+            CacheType::Q8_0 => &blocks::Q8_0,
+            CacheType::Q5_1 => &blocks::Q5_1,
+            CacheType::Q5_0 => &blocks::Q5_0,
+            CacheType::Q4_1 => &blocks::Q4_1,
+            CacheType::Q4_0 => &blocks::Q4_0,
+        }
+    }
+
+    /// Whether rows of `head_dim` values are whole blocks of this type; the mistake in words if
+    /// not.
+    pub fn check_head_dim(self, head_dim: usize) -> std::result::Result<(), String> {
+        let b = self.kind().block_len();
+        if head_dim.is_multiple_of(b) {
+            Ok(())
+        } else {
+            Err(format!(
+                "a {} KV cache needs a head size that is a multiple of {b}; this model's is {head_dim} (use f16)",
+                self.name()
+            ))
         }
     }
 
@@ -103,7 +140,13 @@ mod tests {
         }
         assert_eq!(
             "q9".parse::<CacheType>(),
-            Err("unknown cache type 'q9' (expected f32 or f16)".to_string())
+            Err(
+                "unknown cache type 'q9' (expected f32, f16, bf16, q8_0, q5_1, q5_0, q4_1 or q4_0)"
+                    .to_string()
+            )
         );
+        assert!(CacheType::Q8_0.check_head_dim(128).is_ok());
+        assert!(CacheType::Q8_0.check_head_dim(24).is_err());
+        assert!(CacheType::F16.check_head_dim(24).is_ok());
     }
 }
