@@ -349,7 +349,8 @@ fn props(loaded: &Loaded, limits: &Limits) -> serde_json::Value {
             "params": {
                 "n_predict": b.gen_length, "temperature": b.temperature, "seed": b.seed,
                 "slot_size": b.slot_size, "serial_blocks": b.serial_blocks,
-                "slot_threshold": b.slot_threshold, "token_threshold": b.token_threshold,
+                "slot_threshold": refusion_engine::decode::shortest_f64(b.slot_threshold),
+                "token_threshold": refusion_engine::decode::shortest_f64(b.token_threshold),
             },
         },
         "total_slots": limits.parallel,

@@ -111,7 +111,12 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
             } => {
                 let mut v: serde_json::Value =
                     serde_json::from_str(&chunk(json!({}), Some(finish_reason))).ok()?;
-                v["usage"] = usage(prompt_tokens, completion_tokens);
+                // Asked for, usage rides only on the extra last chunk (as OpenAI sends it: a
+                // client summing usage per chunk counts it once); else on the finish chunk,
+                // as llama-server puts it.
+                if !include_usage {
+                    v["usage"] = usage(prompt_tokens, completion_tokens);
+                }
                 v["timings"] = figures.timings(prompt_tokens, completion_tokens);
                 tail.done(&v, prompt_tokens, completion_tokens);
                 Some(SseEvent::default().data(v.to_string()))

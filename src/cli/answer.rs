@@ -124,8 +124,8 @@ impl Report<'_> {
                 "gen_length": p.gen_length,
                 "slot_size": p.slot_size,
                 "serial_blocks": p.serial_blocks,
-                "slot_threshold": as_f64(p.slot_threshold),
-                "token_threshold": as_f64(p.token_threshold),
+                "slot_threshold": refusion_engine::decode::shortest_f64(p.slot_threshold),
+                "token_threshold": refusion_engine::decode::shortest_f64(p.token_threshold),
                 "temperature": p.temperature,
                 "seed": p.seed,
                 "strategy": p.strategy.name(),
@@ -273,10 +273,6 @@ impl Canvas {
 }
 
 /// An f32 as the f64 with the same shortest decimal form (0.6, not 0.6000000238).
-pub(super) fn as_f64(x: f32) -> f64 {
-    x.to_string().parse().unwrap_or(x as f64)
-}
-
 #[cfg(test)]
 mod canvas_tests {
     use super::Canvas;

@@ -460,11 +460,11 @@ fn facts(file: &refusion_gguf::GgufFile) -> (Rows, Option<Rows>) {
                 ("serial blocks", json!(d.serial_blocks)),
                 (
                     "slot threshold",
-                    json!(super::answer::as_f64(d.slot_threshold)),
+                    json!(refusion_engine::decode::shortest_f64(d.slot_threshold)),
                 ),
                 (
                     "token threshold",
-                    json!(super::answer::as_f64(d.token_threshold)),
+                    json!(refusion_engine::decode::shortest_f64(d.token_threshold)),
                 ),
             ]
         });

@@ -105,10 +105,13 @@ if mode == "api":
                                                  stream=True, stream_options={"include_usage": True},
                                                  extra_body=KNOBS))
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens, chunks[-1]
+    # ... and only there: a client summing usage over the chunks counts it once.
+    assert sum(c.usage.total_tokens for c in chunks if c.usage) == full.usage.total_tokens, chunks
     chunks = list(client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0,
                                             stream=True, stream_options={"include_usage": True},
                                             extra_body=KNOBS))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0, chunks[-1]
+    assert [c for c in chunks[:-1] if c.usage] == [], chunks
     # Errors, OpenAI-style.
     check_error(*raw("/v1/chat/completions", b"{not json"), 400, "malformed JSON")
     check_error(*raw("/v1/chat/completions", {"messages": []}), 400, "messages must not be empty")
@@ -215,6 +218,10 @@ elif mode == "llama":
     assert s == 200 and b["total_slots"] == 4, b
     assert b["default_generation_settings"]["n_ctx"] > 0, b
     assert b["default_generation_settings"]["params"]["n_predict"] > 0, b
+    # Thresholds as typed (0.6), not as their f32 reads in f64 (0.6000000238418579).
+    for k in ("slot_threshold", "token_threshold"):
+        x = b["default_generation_settings"]["params"][k]
+        assert x == round(x, 6), (k, x)
     assert "im_start" in b["chat_template"], b["chat_template"][:200]
     # JSON errors name the field in plain words and set `param`.
     msgs = [{"role": "user", "content": "hi"}]

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use noise::Noise;
 pub use overrides::Overrides;
-pub use params::DecodeParams;
+pub use params::{shortest_f64, DecodeParams};
 pub use probs::{argmax, prob};
 pub use slots::SlotDecoder;
 pub use strategy::{start, Kind, Poll, Strategy};

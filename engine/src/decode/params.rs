@@ -29,6 +29,12 @@ pub struct DecodeParams {
     pub template: Option<Arc<Template>>,
 }
 
+/// An f32 setting as the f64 its shortest decimal reads (0.6, not 0.6000000238418579): how the
+/// thresholds go into JSON, so that what a front end shows is what the user typed.
+pub fn shortest_f64(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
 impl DecodeParams {
     pub fn new(d: DecodingDefaults, eos_id: u32, mask_id: u32) -> DecodeParams {
         DecodeParams {
