@@ -71,7 +71,28 @@ fn serve_takes_a_host_name_and_a_short_alias() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("a.gguf");
     convert_quiet(&fixture_model("pub-a"), &out, "f32");
-    let server = Server::start(&out, &["--host", "localhost", "-a", "my-model", "-cb"]);
+    // A llama-server launch line: its flags start the server (-to is not -t o, -ngl99 is not
+    // -n gl99), and the one with nothing behind it here says so.
+    let server = Server::start(
+        &out,
+        &[
+            "--host",
+            "localhost",
+            "-a",
+            "my-model",
+            "-cb",
+            "--jinja",
+            "--metrics",
+            "--slots",
+            "-to",
+            "60",
+            "-ngl99",
+            "-np2",
+        ],
+    );
+    let log = server.startup.join("\n");
+    assert!(log.contains("warning: -ngl 99 has no effect"), "{log}");
+    assert!(log.contains("no /slots endpoint"), "{log}");
     let mut s = TcpStream::connect(server.addr()).unwrap();
     s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         .unwrap();

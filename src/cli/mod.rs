@@ -160,12 +160,27 @@ fn llama_cpp_flag(arg: std::ffi::OsString) -> std::ffi::OsString {
         ("-nocb", "--no-cont-batching"),
         ("-pg", "--pg"),
         ("-mli", "--multiline-input"),
+        ("-to", "--timeout"),
     ] {
         if s == short {
             return long.into();
         }
         if let Some(v) = s.strip_prefix(short).and_then(|r| r.strip_prefix('=')) {
             return format!("{long}={v}").into();
+        }
+    }
+    // A number written onto a multi-letter flag (`-ngl99`, `-np4`), which clap would read as
+    // a one-letter flag and its value (`-n gl99`).
+    for (short, long) in [
+        ("-ngl", "--n-gpu-layers"),
+        ("-np", "--parallel"),
+        ("-ub", "--ubatch-size"),
+        ("-to", "--timeout"),
+    ] {
+        if let Some(v) = s.strip_prefix(short) {
+            if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+                return format!("{long}={v}").into();
+            }
         }
     }
     arg

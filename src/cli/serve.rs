@@ -59,6 +59,19 @@ pub struct ServeArgs {
     /// llama-server's -nocb: refused by name (requests always share forwards).
     #[arg(long = "no-cont-batching", hide = true)]
     no_cont_batching: bool,
+    /// llama-server's -to/--timeout (its read/write timeout): here how long a request's
+    /// headers and its body may each take; an answer being written is never timed out.
+    #[arg(long = "timeout", value_name = "SECS")]
+    timeout: Option<f64>,
+    /// llama-server's --jinja: chat templates are always rendered as Jinja here (accepted).
+    #[arg(long, hide = true)]
+    jinja: bool,
+    /// llama-server's --metrics: `/metrics` is always served here (accepted).
+    #[arg(long, hide = true)]
+    metrics: bool,
+    /// llama-server's --slots: refusion has no `/slots` endpoint yet (accepted, with a note).
+    #[arg(long, hide = true)]
+    slots: bool,
     /// Seconds a request's headers may take, from its first byte.
     #[arg(long, default_value_t = 10.0, value_name = "SECS")]
     header_timeout: f64,
@@ -160,7 +173,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
             "-nocb is not supported: requests always share forwards (continuous batching); -np 1 decodes one request at a time"
         );
     }
-    let _ = a.cont_batching;
+    let _ = (a.cont_batching, a.jinja, a.metrics);
+    if a.slots {
+        eprintln!("note: --slots: refusion serve has no /slots endpoint yet; /metrics and /health report the load");
+    }
     check_access(a.host, a.api_key.as_deref())?;
     refusion_server::Cors::new(&a.cors_origin, a.host, a.api_key.as_deref())?;
     if !(1..=65_536).contains(&a.max_connections) {
@@ -170,9 +186,16 @@ pub fn run(a: ServeArgs) -> Result<()> {
         );
     }
     warn_if_beyond_fd_limit(a.max_connections);
+    let (header_timeout, body_timeout) = match a.timeout {
+        Some(t) => (seconds("--timeout", t)?, seconds("--timeout", t)?),
+        None => (
+            seconds("--header-timeout", a.header_timeout)?,
+            seconds("--body-timeout", a.body_timeout)?,
+        ),
+    };
     let conn = ConnLimits {
-        headers: seconds("--header-timeout", a.header_timeout)?,
-        body: seconds("--body-timeout", a.body_timeout)?,
+        headers: header_timeout,
+        body: body_timeout,
         idle: seconds("--idle-timeout", a.idle_timeout)?,
         grace: seconds("--shutdown-timeout", a.shutdown_timeout)?,
         max_connections: a.max_connections,

@@ -13,6 +13,8 @@ pub struct Server {
     pub child: Child,
     /// `http://127.0.0.1:PORT`
     pub base: String,
+    /// Its stderr up to the line saying where it listens (the plan, notes, warnings).
+    pub startup: Vec<String>,
     log: mpsc::Receiver<String>,
 }
 
@@ -53,17 +55,20 @@ impl Server {
                 let _ = tx.send(line);
             }
         });
+        let mut startup = Vec::new();
         let base = loop {
             let line = rx
                 .recv_timeout(Duration::from_secs(60))
-                .expect("server did not start");
+                .unwrap_or_else(|_| panic!("server did not start:\n{}", startup.join("\n")));
             if let Some(rest) = line.split("listening on ").nth(1) {
                 break rest.split_whitespace().next().unwrap().to_string();
             }
+            startup.push(line);
         };
         Server {
             child,
             base,
+            startup,
             log: rx,
         }
     }

@@ -107,7 +107,11 @@ impl std::str::FromStr for CacheType {
             .find(|t| t.name() == s)
             .ok_or_else(|| {
                 let names: Vec<_> = CacheType::ALL.iter().map(|t| t.name()).collect();
-                format!("unknown cache type '{s}' (expected {})", names.join(" or "))
+                let (last, rest) = names.split_last().expect("types");
+                format!(
+                    "unknown cache type '{s}' (expected {} or {last})",
+                    rest.join(", ")
+                )
             })
     }
 }
@@ -127,9 +131,20 @@ mod tests {
             k.write_row(&row, &mut bytes);
             let mut back = vec![0f32; row.len()];
             k.read_row(&bytes, &mut back);
+            // Within each type's rounding: f32 exact, f16/bf16 relative, the block types
+            // a step of their block's scale.
+            let amax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let tol = |a: f32| match t {
+                CacheType::F32 => 0.0,
+                CacheType::F16 => a.abs() * 1e-3,
+                CacheType::Bf16 => a.abs() * 8e-3,
+                CacheType::Q8_0 => amax / 127.0,
+                CacheType::Q5_0 | CacheType::Q5_1 => amax / 15.0,
+                CacheType::Q4_0 | CacheType::Q4_1 => amax / 7.0,
+            };
             for (a, b) in row.iter().zip(&back) {
                 assert!(
-                    (a - b).abs() <= a.abs() * 1e-3,
+                    (a - b).abs() <= tol(*a),
                     "{}: {a} read back as {b}",
                     t.name()
                 );
