@@ -461,3 +461,44 @@ fn a_longer_saved_prompt_still_gives_its_common_prefix() {
     assert_eq!(warm["cached_prompt_tokens"], 19, "{err}");
     assert!(!err.contains("starting fresh"), "{err}");
 }
+
+/// A terminal closed while chat waits at the prompt (SIGHUP ignored, as under `nohup` or some
+/// terminal emulators): reads and writes then fail with EIO. The chat ends with EX_IOERR (74),
+/// never a panic's 101. Python's `pty` plays the terminal.
+#[cfg(unix)]
+#[test]
+fn a_terminal_closed_at_the_prompt_ends_the_chat_without_a_panic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let script = tmp.path().join("closed_terminal.py");
+    std::fs::write(
+        &script,
+        r#"import os, pty, select, signal, sys, time
+pid, fd = pty.fork()
+if pid == 0:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    os.execv(sys.argv[1], sys.argv[1:])
+seen = b""
+deadline = time.time() + 60
+while b"> " not in seen and time.time() < deadline:
+    if select.select([fd], [], [], 1)[0]:
+        try:
+            seen += os.read(fd, 4096)
+        except OSError:
+            break
+assert b"> " in seen, seen
+os.close(fd)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"#,
+    )
+    .unwrap();
+    let o = Command::new(python())
+        .arg(&script)
+        .arg(bin())
+        .args(["chat", "-m", model.to_str().unwrap(), "-t", "1"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim(), "74", "{}", stderr(&o));
+}

@@ -68,16 +68,17 @@ pub fn main() -> i32 {
     }
     let cli = Cli::parse_from(argv);
     quiet_on_closed_stdout(&cli.command);
+    quiet_on_lost_terminal();
     let result = dispatch(cli.command);
     exit_code(result)
 }
 
-/// Runs another command line (`run` hands over to `generate` or `chat`).
 /// The engine's notes while loading (the plan, the load line, warnings), to stderr as they come.
 pub(crate) fn notes() -> refusion_engine::load::Notes {
     refusion_engine::load::Notes::to(|line| eprintln!("{line}"))
 }
 
+/// Runs another command line (`run` hands over to `generate` or `chat`).
 fn run_argv(argv: Vec<String>) -> anyhow::Result<()> {
     let cli = Cli::try_parse_from(argv.into_iter().map(|a| llama_cpp_flag(a.into())))
         .map_err(|e| anyhow::anyhow!("{}", e.render().to_string().trim_end()))?;
@@ -118,6 +119,32 @@ fn exit_code(result: anyhow::Result<()>) -> i32 {
             1
         }
     }
+}
+
+/// A terminal closed under the program (its window shut while `chat` waits at the prompt, the
+/// session gone with SIGHUP ignored) makes the next `print!` fail with EIO, which Rust turns into
+/// a panic (exit 101 and a panic message), as does `eprint!`. That is the terminal going away,
+/// not a bug: the process ends with one line on stderr (if it still has one) and exit code 74
+/// (EX_IOERR).
+fn quiet_on_lost_terminal() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        let lost = ["failed printing to stdout: ", "failed printing to stderr: "]
+            .iter()
+            .find_map(|p| msg.strip_prefix(p));
+        if let Some(why) = lost {
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "error: the terminal went away ({why})");
+            std::process::exit(74);
+        }
+        default(info);
+    }));
 }
 
 /// `refusion generate ... | head -1`: once the reader has gone, the next write to stdout ends
