@@ -60,6 +60,13 @@ pub struct GenerateArgs {
     /// The text after the answer: shorthand for --template '{{gap}}TEXT'.
     #[arg(long, value_name = "TEXT", conflicts_with = "batch")]
     suffix: Option<String>,
+    /// Take `\n`, `\t`, `\\` ... in -p, --system, --template and --suffix as they are
+    /// written, without llama.cpp's escape processing (on by default, as there).
+    #[arg(long)]
+    no_escape: bool,
+    /// llama.cpp's -e/--escape: escapes are processed by default (accepted).
+    #[arg(short = 'e', long = "escape", hide = true)]
+    escape: bool,
     /// Read special tokens' text in a template's known spans as the tokens (llama.cpp's
     /// `parse_special`); by default `<|im_end|>` written there is text.
     #[arg(long)]
@@ -371,7 +378,15 @@ fn workload(params: &DecodeParams, prompt_len: usize, context: usize) -> Result<
     })
 }
 
-pub fn run(a: GenerateArgs) -> Result<()> {
+pub fn run(mut a: GenerateArgs) -> Result<()> {
+    if !a.no_escape {
+        for text in [&mut a.prompt, &mut a.system, &mut a.template, &mut a.suffix]
+            .into_iter()
+            .flatten()
+        {
+            *text = process_escapes(text);
+        }
+    }
     a.decode.check()?;
     if let Some(pieces) = a.template_pieces(1) {
         // The markers are checked before the model loads (the gap default comes with it).
@@ -556,5 +571,62 @@ impl GenerateArgs {
             );
         }
         Ok(session)
+    }
+}
+
+/// llama.cpp's escape processing of prompt text (`-e`, on by default): `\n`, `\r`, `\t`, `\'`,
+/// `\"`, `\\` and `\xHH` (ASCII) become the characters they name; any other backslash is kept
+/// as written.
+pub(super) fn process_escapes(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        let named = match chars.peek().copied() {
+            Some('n') => Some('\n'),
+            Some('r') => Some('\r'),
+            Some('t') => Some('\t'),
+            Some(q @ ('\'' | '"' | '\\')) => Some(q),
+            Some('x') => {
+                let hex: String = chars.clone().skip(1).take(2).collect();
+                let byte = u8::from_str_radix(&hex, 16).ok();
+                match byte.filter(|b| hex.len() == 2 && b.is_ascii()) {
+                    Some(b) => {
+                        chars.nth(1); // the 'x' and the first digit; the second below
+                        Some(b as char)
+                    }
+                    None => None,
+                }
+            }
+            _ => None,
+        };
+        match named {
+            Some(ch) => {
+                out.push(ch);
+                chars.next();
+            }
+            None => out.push('\\'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod escape_tests {
+    use super::process_escapes;
+
+    #[test]
+    fn escapes_are_llama_cpps() {
+        assert_eq!(process_escapes(r"a\nb"), "a\nb");
+        assert_eq!(
+            process_escapes(r"t\tx \\n \'q\' \x41\x4"),
+            "t\tx \\n 'q' A\\x4"
+        );
+        assert_eq!(process_escapes(r"C:\path\z"), r"C:\path\z");
+        assert_eq!(process_escapes("end\\"), "end\\");
+        assert_eq!(process_escapes(r"\xzz\x7f"), "\\xzz\x7f");
     }
 }
