@@ -419,3 +419,50 @@ fn generate_plans_what_it_holds_at_its_peak() {
         "{err}"
     );
 }
+
+/// llama-cli's text habits: escapes in -p processed by default (`--no-escape` keeps them),
+/// `--n-predict`, `--verbose-prompt`; `--color` and `--mlock` refused by name.
+#[test]
+fn llama_cli_text_flags() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let m = model.to_str().unwrap();
+    let args = |extra: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "-m",
+            m,
+            "--no-chat-template",
+            "-p",
+            r"one\ntwo",
+            "--n-predict",
+            "4",
+            "--verbose-prompt",
+        ];
+        a.extend_from_slice(extra);
+        run(&a)
+    };
+    let o = args(&[]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(r#"-> "\n""#),
+        "no newline token in the prompt:\n{err}"
+    );
+    let o = args(&["--no-escape"]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        !err.contains(r#"-> "\n""#),
+        "--no-escape processed the escape:\n{err}"
+    );
+    assert!(
+        err.contains(r"\\"),
+        "the backslash is not in the prompt:\n{err}"
+    );
+    assert_fails_with(
+        &args(&["--color"]),
+        &["--color: refusion prints the answer as plain text"],
+    );
+    assert_fails_with(&args(&["--mlock"]), &["--mlock is not supported"]);
+}

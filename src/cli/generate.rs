@@ -64,6 +64,13 @@ pub struct GenerateArgs {
     /// written, without llama.cpp's escape processing (on by default, as there).
     #[arg(long)]
     no_escape: bool,
+    /// Print the prompt's tokens (id and text) to stderr before the answer, as llama-cli does.
+    #[arg(long)]
+    verbose_prompt: bool,
+    /// llama-cli's --color: refused by name (the answer is plain text; --visual draws the
+    /// decode).
+    #[arg(long, hide = true)]
+    color: bool,
     /// llama.cpp's -e/--escape: escapes are processed by default (accepted).
     #[arg(short = 'e', long = "escape", hide = true)]
     escape: bool,
@@ -104,7 +111,7 @@ pub struct GenerateArgs {
 pub struct DecodeArgs {
     /// Tokens to generate (rounded up to whole slots; -1: the file's) [default: from the file,
     /// else 512].
-    #[arg(short = 'n', long, allow_negative_numbers = true)]
+    #[arg(short = 'n', long, visible_aliases = ["n-predict", "predict"], allow_negative_numbers = true)]
     gen_length: Option<i64>,
     /// Tokens per slot [default: from the file, else 4].
     #[arg(long, allow_negative_numbers = true)]
@@ -397,7 +404,10 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
         bail!("{flag}: for a conversation, use refusion chat (generate answers one prompt)");
     }
     // -no-cnv and -st ask for what generate does anyway.
-    let _ = (a.no_conversation, a.single_turn);
+    let _ = (a.no_conversation, a.single_turn, a.escape);
+    if a.color {
+        bail!("--color: refusion prints the answer as plain text (--visual draws the decode as it goes)");
+    }
     super::set_threads(a.model.threads)?;
     if let Some(path) = &a.batch {
         return run_batch(&a, path);
@@ -434,6 +444,13 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
     })?;
     let (params, prompt, capacity) =
         request.context("internal error: the request was not prepared")?;
+    if a.verbose_prompt {
+        eprintln!("prompt: {} tokens", prompt.len());
+        for &id in &prompt {
+            let piece = loaded.tokenizer.decode(&[id], false).unwrap_or_default();
+            eprintln!("{id:>8} -> {piece:?}");
+        }
+    }
     let mut session = a.session(&loaded, capacity, &prompt)?;
     let mut out = Output::new(&a, &loaded.tokenizer, &prompt, &params);
     let decode_start = Instant::now();

@@ -55,6 +55,10 @@ pub struct ModelArgs {
     /// way.
     #[arg(long)]
     pub no_mmap: bool,
+    /// llama.cpp's --mlock: refused by name (the weights stay mapped; --no-mmap reads them
+    /// into memory).
+    #[arg(long, hide = true)]
+    pub mlock: bool,
     /// Read every tensor before running and refuse the file if any float value or quantized
     /// block scale is NaN or infinite (llama.cpp's --check-tensors; reads the whole file).
     #[arg(long)]
@@ -141,6 +145,11 @@ impl ModelArgs {
     }
 
     pub fn load_options(&self, verbose: bool) -> anyhow::Result<LoadOptions> {
+        if self.mlock {
+            anyhow::bail!(
+                "--mlock is not supported: the weights stay memory-mapped (--no-mmap reads them into memory)"
+            );
+        }
         if let Some(v) = self.flash_attn.as_deref() {
             if !matches!(v, "off" | "0" | "auto") {
                 anyhow::bail!(
