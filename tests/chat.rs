@@ -502,3 +502,33 @@ print(os.waitstatus_to_exitcode(status))
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stdout(&o).trim(), "74", "{}", stderr(&o));
 }
+
+/// ollama's chat commands: `/set parameter` (its names and ReFusion's, checked), `/set system`,
+/// `/show`, `/clear`.
+#[test]
+fn ollamas_set_show_and_clear() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let (_, err) = chat(
+        &model,
+        "/set parameter num_predict 8\n/show parameters\n/set parameter slot_threshold 2\n\
+         /set parameter bogus 1\n/set system Be brief.\n/show system\n/show template\n\
+         Hello\n/clear\n/bye\n",
+    );
+    assert!(err.contains("(set num_predict to 8)"), "{err}");
+    assert!(err.contains("num_predict 8 "), "{err}");
+    assert!(
+        err.contains("slot threshold"),
+        "an invalid value was not refused:\n{err}"
+    );
+    assert!(err.contains("unknown parameter 'bogus'"), "{err}");
+    assert!(
+        err.contains("(system message set)") && err.contains("Be brief."),
+        "{err}"
+    );
+    assert!(
+        err.contains("<|im_start|>"),
+        "no chat template shown:\n{err}"
+    );
+    assert!(err.contains("(conversation reset)"), "{err}");
+}

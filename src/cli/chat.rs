@@ -45,7 +45,8 @@ pub struct ChatArgs {
     single_turn: bool,
 }
 
-const HELP: &str = "commands: /reset  /save FILE  /load FILE  /template TEXT  /bye (or /exit)  \
+const HELP: &str = "commands: /reset (or /clear)  /save FILE  /load FILE  /template TEXT  \
+/set parameter NAME VALUE  /set system TEXT  /show [parameters|system|template]  /bye (or /exit)  \
 /? (or /help)  (Ctrl-C stops an answer, Ctrl-D quits; arrows and Ctrl-R recall earlier lines)\n\
 /template TEXT: the next answer fills TEXT's {{gap}} / {{gap:N}} (at most N) / {{gap:=N}} markers \
 (\\n is a newline); \
@@ -125,6 +126,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         context: loaded.context,
         system: a.system.clone(),
         model_hash: loaded.file.layout_hash(),
+        chat_template: source.to_string(),
         template: None,
     };
     chat.reset();
@@ -203,6 +205,8 @@ struct Chat<'m> {
     context: usize,
     system: Option<String>,
     model_hash: u64,
+    /// The file's chat template (`/show template`).
+    chat_template: String,
     /// `/template`: the next answer fills its gaps.
     template: Option<String>,
 }
@@ -237,10 +241,12 @@ impl Chat<'_> {
         match cmd {
             "/exit" | "/quit" | "/bye" => return Flow::Quit,
             "/help" | "/?" => eprintln!("{HELP}"),
-            "/reset" => {
+            "/reset" | "/clear" => {
                 self.reset();
                 eprintln!("(conversation reset)");
             }
+            "/set" => self.set(arg),
+            "/show" => self.show(arg),
             "/save" | "/load" if arg.is_empty() => eprintln!("usage: {cmd} FILE"),
             "/save" => match save(&self.session, Path::new(arg), self.model_hash) {
                 Ok(()) => {
@@ -282,6 +288,65 @@ impl Chat<'_> {
             _ => return Flow::Message,
         }
         Flow::Next
+    }
+
+    /// ollama's `/set parameter NAME VALUE` (its names and ReFusion's) and `/set system TEXT`
+    /// (the conversation goes on under the new system message).
+    fn set(&mut self, arg: &str) {
+        let (what, rest) = arg
+            .split_once(' ')
+            .map_or((arg, ""), |(w, r)| (w, r.trim()));
+        match what {
+            "system" if !rest.is_empty() => {
+                self.system = Some(rest.to_string());
+                let messages = &mut self.session.messages;
+                match messages.first_mut() {
+                    Some(m) if m.role == "system" => *m = Message::new("system", rest),
+                    _ => messages.insert(0, Message::new("system", rest)),
+                }
+                eprintln!("(system message set)");
+            }
+            "parameter" => {
+                let Some((name, value)) = rest.split_once(' ') else {
+                    eprintln!("usage: /set parameter NAME VALUE");
+                    return;
+                };
+                match set_parameter(&self.params, name, value.trim()) {
+                    Ok(p) => {
+                        self.params = p;
+                        eprintln!("(set {name} to {})", value.trim());
+                    }
+                    Err(e) => eprintln!("error: {e}"),
+                }
+            }
+            _ => eprintln!("usage: /set parameter NAME VALUE, or /set system TEXT"),
+        }
+    }
+
+    /// ollama's `/show`: the decoding parameters, the system message, the chat template.
+    fn show(&self, arg: &str) {
+        let p = &self.params;
+        match arg {
+            "" | "parameters" | "info" => eprintln!(
+                "num_predict {}  temperature {}  seed {}  slot_size {}  serial_blocks {}  \
+                 slot_threshold {}  token_threshold {}  strategy {}  num_ctx {}",
+                p.gen_length,
+                p.temperature,
+                p.seed,
+                p.slot_size,
+                p.serial_blocks,
+                refusion_engine::decode::shortest_f64(p.slot_threshold),
+                refusion_engine::decode::shortest_f64(p.token_threshold),
+                p.strategy,
+                self.context
+            ),
+            "system" => eprintln!(
+                "{}",
+                self.system.as_deref().unwrap_or("(no system message)")
+            ),
+            "template" => eprintln!("{}", self.chat_template),
+            _ => eprintln!("usage: /show [parameters|system|template]"),
+        }
     }
 
     /// The parameters for an answer that fills `template`'s gaps.
@@ -385,4 +450,36 @@ impl Chat<'_> {
         }
         Ok(())
     }
+}
+
+/// `params` with one setting changed by `/set parameter`: ollama's names (`num_predict`,
+/// `temperature`, `seed`) and ReFusion's; checked as a request's are.
+fn set_parameter(
+    params: &refusion_engine::decode::DecodeParams,
+    name: &str,
+    value: &str,
+) -> Result<refusion_engine::decode::DecodeParams> {
+    fn num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
+        v.parse()
+            .map_err(|_| anyhow::anyhow!("{name}: '{v}' is not a valid value"))
+    }
+    let mut p = params.clone();
+    match name {
+        "num_predict" | "max_tokens" => {
+            // As `-n` does: serial blocks kept near the block length they had.
+            p.gen_length = num(name, value)?;
+            p.fit_serial_blocks(params.block_len());
+        }
+        "temperature" => p.temperature = num(name, value)?,
+        "seed" => p.seed = num(name, value)?,
+        "slot_size" => p.slot_size = num(name, value)?,
+        "serial_blocks" => p.serial_blocks = num(name, value)?,
+        "slot_threshold" => p.slot_threshold = num(name, value)?,
+        "token_threshold" => p.token_threshold = num(name, value)?,
+        _ => anyhow::bail!(
+            "unknown parameter '{name}' (num_predict, temperature, seed, slot_size, serial_blocks, slot_threshold, token_threshold)"
+        ),
+    }
+    p.validate()?;
+    Ok(p)
 }
