@@ -15,7 +15,7 @@ use std::arch::x86_64::*;
 use super::tiles::{
     Packed, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q5K_FIFTH_BITS, Q6K_D, Q6K_SCALES, Q8_0_D,
 };
-use super::{prefetch_part, token_passes, PackedMatrix, TilePass, Q8K, ROWS_PER_UNIT};
+use super::{prefetch_part, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
 
 /// Activation rows per pass over a run's tiles (16 registers: 4 rows x 2 halves of sums).
 const TILE_MT: usize = 4;
@@ -150,8 +150,9 @@ unsafe fn bytes8<const SIGNED: bool>(tile: *const u8, at: usize) -> __m256 {
 ///
 /// # Safety
 ///
-/// The CPU has AVX2, FMA and F16C. (`acts` must hold `m` rows of `w.k / 256` blocks, `run` be
-/// one of `w`'s runs and `out` hold `m * w.rows` values: these are checked, a panic.)
+/// The CPU has AVX2, FMA and F16C; `out` has at least `m * w.rows` values (stored
+/// unchecked). `acts` must hold `m` rows of `w.k / 256` blocks and `run` be one of `w`'s runs;
+/// these are checked (a panic).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run_avx2(
     w: &PackedMatrix,
@@ -160,8 +161,8 @@ pub(super) unsafe fn run_avx2(
     run: usize,
     out: &mut [f32],
 ) {
-    // SAFETY: the features by the attribute (the lengths are checked).
-    unsafe { token_passes::<Avx2<false>>(w, acts, m, run, out) }
+    // SAFETY: the features by the attribute, `out`'s length by the caller.
+    unsafe { run_body::<false>(w, acts, m, run, out) }
 }
 
 /// As [`run_avx2`], with AVX-VNNI's `vpdpbusd`.
@@ -177,68 +178,68 @@ pub(super) unsafe fn run_vnni(
     run: usize,
     out: &mut [f32],
 ) {
-    // SAFETY: the features by the attribute (the lengths are checked).
-    unsafe { token_passes::<Avx2<true>>(w, acts, m, run, out) }
+    // SAFETY: the features by the attribute, `out`'s length by the caller.
+    unsafe { run_body::<true>(w, acts, m, run, out) }
 }
 
-/// The AVX2 kernels as a [`TilePass`] (`vpdpbusd` when `VNNI`); the token loop is
-/// [`token_passes`].
-struct Avx2<const VNNI: bool>;
-
-impl<const VNNI: bool> TilePass for Avx2<VNNI> {
-    const MT: usize = TILE_MT;
-    type Sums = [[__m256; 2]; TILE_MT];
-
-    #[inline(always)]
-    unsafe fn pass(
-        kind: Packed,
-        tiles: &[u8],
-        tile_bytes: usize,
-        a: &[Q8K],
-        kb: usize,
-        mt: usize,
-    ) -> Self::Sums {
-        // SAFETY: AVX2, FMA and F16C (and AVX-VNNI when `VNNI`) by the caller, who also gives
-        // the run's `kb` whole tiles of `kind`'s layout (64-byte lines, so aligned),
-        // `tile_bytes` apart; `a` holds `mt * kb` blocks (sliced, checked).
-        unsafe {
+/// The kernels' driver: passes of up to [`TILE_MT`] activation rows over the run's tiles.
+///
+/// # Safety
+///
+/// As [`run_avx2`] (and [`run_vnni`] when `VNNI`): the CPU has AVX2, FMA and F16C (and
+/// AVX-VNNI when `VNNI`), and `out` has at least `m * w.rows` values.
+#[inline(always)]
+unsafe fn run_body<const VNNI: bool>(
+    w: &PackedMatrix,
+    acts: &[Q8K],
+    m: usize,
+    run: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: the features by the caller. The kernels get the run's `kb` whole tiles of
+    // `w.kind`'s layout (`run_tiles`: 64-byte lines, so aligned), `tile_bytes` apart, and
+    // `mt * kb` blocks of activations (`a`, sliced, checked). Each store writes row `t0 + t`'s
+    // values `r0..r0 + valid` (`valid <= 16`), inside `out`'s `m * w.rows` (the caller).
+    unsafe {
+        let kb = w.k / QK;
+        let r0 = run * ROWS_PER_UNIT;
+        let valid = (w.rows - r0).min(ROWS_PER_UNIT);
+        let tiles = w.run_tiles(run);
+        let tile_bytes = w.kind.tile_bytes();
+        let mut t0 = 0;
+        while t0 < m {
+            let mt = (m - t0).min(TILE_MT);
+            let a = &acts[t0 * kb..(t0 + mt) * kb];
             let mut res = [[_mm256_setzero_ps(); 2]; TILE_MT];
             macro_rules! kernel {
-                ($($n:literal)*) => {
-                    match (kind, mt) {
-                        $((Packed::Q4K, $n) =>
-                            packed_q4k::<$n, VNNI, false>(tiles, tile_bytes, a, kb, &mut res),
-                          (Packed::Q5K, $n) =>
-                            packed_q4k::<$n, VNNI, true>(tiles, tile_bytes, a, kb, &mut res),
-                          (Packed::Q6K, $n) =>
-                            packed_q6k::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),
-                          (Packed::Q8_0, $n) =>
-                            packed_q8_0::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),)*
-                        _ => unreachable!("mt is 1..=TILE_MT"),
-                    }
-                };
-            }
-            kernel!(1 2 3 4);
-            res
+            ($($n:literal)*) => {
+                match (w.kind, mt) {
+                    $((Packed::Q4K, $n) =>
+                        packed_q4k::<$n, VNNI, false>(tiles, tile_bytes, a, kb, &mut res),
+                      (Packed::Q5K, $n) =>
+                        packed_q4k::<$n, VNNI, true>(tiles, tile_bytes, a, kb, &mut res),
+                      (Packed::Q6K, $n) =>
+                        packed_q6k::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),
+                      (Packed::Q8_0, $n) => packed_q8_0::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),)*
+                    _ => unreachable!("mt is 1..=TILE_MT"),
+                }
+            };
         }
-    }
-
-    #[inline(always)]
-    unsafe fn store(sums: &Self::Sums, t: usize, out: &mut [f32]) {
-        let v = &sums[t];
-        // SAFETY: AVX by the caller; each store writes 8 values inside `out` (16 long) or
-        // inside `all`.
-        unsafe {
-            if out.len() == ROWS_PER_UNIT {
-                _mm256_storeu_ps(out.as_mut_ptr(), v[0]);
-                _mm256_storeu_ps(out.as_mut_ptr().add(8), v[1]);
-            } else {
-                // The padded run: only its real rows.
-                let mut all = [0f32; ROWS_PER_UNIT];
-                _mm256_storeu_ps(all.as_mut_ptr(), v[0]);
-                _mm256_storeu_ps(all.as_mut_ptr().add(8), v[1]);
-                out.copy_from_slice(&all[..out.len()]);
+            kernel!(1 2 3 4);
+            for (t, v) in res[..mt].iter().enumerate() {
+                let o = out.as_mut_ptr().add((t0 + t) * w.rows + r0);
+                if valid == ROWS_PER_UNIT {
+                    _mm256_storeu_ps(o, v[0]);
+                    _mm256_storeu_ps(o.add(8), v[1]);
+                } else {
+                    // The padded run: only its real rows.
+                    let mut all = [0f32; ROWS_PER_UNIT];
+                    _mm256_storeu_ps(all.as_mut_ptr(), v[0]);
+                    _mm256_storeu_ps(all.as_mut_ptr().add(8), v[1]);
+                    std::ptr::copy_nonoverlapping(all.as_ptr(), o, valid);
+                }
             }
+            t0 += mt;
         }
     }
 }

@@ -582,78 +582,12 @@ fn matmul_on(path: CpuPath, ws: &[&PackedMatrix], x: &[f32], m: usize, outs: &mu
     let _ = (path, ws, x, m, outs);
 }
 
-/// One path's pass over a run's tiles for up to [`TilePass::MT`] activation rows (AVX2 and
-/// NEON; AVX-512 interleaves its passes differently). The token loop around it is
-/// [`token_passes`], shared; a path gives its kernel and how a row's sums are stored.
-#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-trait TilePass {
-    /// Activation rows per pass.
-    const MT: usize;
-    /// A pass's sums: the 16 rows' sums for each of its activation rows, in registers.
-    type Sums;
-    /// The kernel over `tiles` for `mt` (1..=MT) activation rows `acts` (`mt * kb` blocks).
-    ///
-    /// # Safety
-    ///
-    /// The CPU has the path's instructions; `tiles` holds `kb` whole tiles of `kind`'s layout,
-    /// `tile_bytes` apart (a run's, from [`PackedMatrix::run_tiles`]); `acts` is checked.
-    unsafe fn pass(
-        kind: Packed,
-        tiles: &[u8],
-        tile_bytes: usize,
-        acts: &[Q8K],
-        kb: usize,
-        mt: usize,
-    ) -> Self::Sums;
-    /// Activation row `t`'s sums into `out`: all 16, or the first `out.len()` in a padded run.
-    ///
-    /// # Safety
-    ///
-    /// The CPU has the path's instructions; `t < MT` (checked).
-    unsafe fn store(sums: &Self::Sums, t: usize, out: &mut [f32]);
-}
-
-/// The token loop of a path's kernels: passes of up to `P::MT` activation rows over run
-/// `run`'s tiles, each row's sums stored to its outputs (`out`: `m` rows of `w.rows`, checked).
-///
-/// # Safety
-///
-/// The CPU has `P`'s instructions. (`acts`, `run` and `out`'s length are checked: a panic.)
-#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-#[inline(always)]
-unsafe fn token_passes<P: TilePass>(
-    w: &PackedMatrix,
-    acts: &[Q8K],
-    m: usize,
-    run: usize,
-    out: &mut [f32],
-) {
-    let kb = w.k / QK;
-    let r0 = run * ROWS_PER_UNIT;
-    let valid = (w.rows - r0).min(ROWS_PER_UNIT);
-    let tiles = w.run_tiles(run);
-    let tile_bytes = w.kind.tile_bytes();
-    let mut t0 = 0;
-    while t0 < m {
-        let mt = (m - t0).min(P::MT);
-        let a = &acts[t0 * kb..(t0 + mt) * kb];
-        // SAFETY: `P`'s instructions by the caller; the run's whole tiles, `tile_bytes` apart.
-        let sums = unsafe { P::pass(w.kind, tiles, tile_bytes, a, kb, mt) };
-        for t in 0..mt {
-            let o = &mut out[(t0 + t) * w.rows + r0..][..valid];
-            // SAFETY: `P`'s instructions by the caller; `t < mt <= MT`.
-            unsafe { P::store(&sums, t, o) };
-        }
-        t0 += mt;
-    }
-}
-
 /// Run `run` of `w` on `path`'s kernel, which the CPU must run.
 ///
 /// # Safety
 ///
 /// The CPU runs `path` ([`CpuPath::runs`]: its features, and for `Amx` the tile permission),
-/// and `out` has at least `m * w.rows()` values (the AVX-512 and AMX kernels store unchecked). `acts`
+/// and `out` has at least `m * w.rows()` values (the x86 kernels store unchecked). `acts`
 /// must hold `m` rows of `w.k() / 256` blocks and `run` be below `w.rows().div_ceil(16)`; both
 /// are checked (a panic).
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]

@@ -22,7 +22,7 @@ use std::arch::aarch64::*;
 use std::arch::asm;
 
 use super::tiles::{Packed, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q6K_D, Q6K_SCALES, Q8_0_D};
-use super::{token_passes, PackedMatrix, TilePass, PREFETCH_TILES, Q8K, ROWS_PER_UNIT};
+use super::{PackedMatrix, PREFETCH_TILES, Q8K, QK, ROWS_PER_UNIT};
 
 /// Activation rows per pass over a run's tiles.
 const TILE_MT: usize = 4;
@@ -224,7 +224,7 @@ pub(super) unsafe fn run_dot(
     out: &mut [f32],
 ) {
     // SAFETY: `dotprod` by the attribute, `SDot`'s instruction.
-    unsafe { token_passes::<Neon<SDot>>(w, acts, m, run, out) }
+    unsafe { run_body::<SDot>(w, acts, m, run, out) }
 }
 
 /// As [`run_dot`], with base NEON's widening multiplies.
@@ -242,34 +242,34 @@ pub(super) unsafe fn run_neon(
     out: &mut [f32],
 ) {
     // SAFETY: `Widen` needs base NEON only.
-    unsafe { token_passes::<Neon<Widen>>(w, acts, m, run, out) }
+    unsafe { run_body::<Widen>(w, acts, m, run, out) }
 }
 
 /// Per activation row, the four quarters of 4 rows' sums.
 type Res = [[float32x4_t; 4]; TILE_MT];
 
-/// The NEON kernels as a [`TilePass`] over `D`'s dot product; the token loop is
-/// [`token_passes`].
-struct Neon<D>(std::marker::PhantomData<D>);
-
-impl<D: Dot> TilePass for Neon<D> {
-    const MT: usize = TILE_MT;
-    type Sums = Res;
-
-    #[inline(always)]
-    unsafe fn pass(
-        kind: Packed,
-        tiles: &[u8],
-        tile_bytes: usize,
-        a: &[Q8K],
-        kb: usize,
-        mt: usize,
-    ) -> Res {
+/// The kernels' driver: passes of up to [`TILE_MT`] activation rows over the run's tiles.
+///
+/// # Safety
+///
+/// The CPU has `D`'s instructions ([`Dot::dot`]). (`acts`, `run` and `out`'s length are
+/// checked: a panic.)
+#[inline(always)]
+unsafe fn run_body<D: Dot>(w: &PackedMatrix, acts: &[Q8K], m: usize, run: usize, out: &mut [f32]) {
+    let kb = w.k / QK;
+    let r0 = run * ROWS_PER_UNIT;
+    let valid = (w.rows - r0).min(ROWS_PER_UNIT);
+    let tiles = w.run_tiles(run);
+    let tile_bytes = w.kind.tile_bytes();
+    let mut t0 = 0;
+    while t0 < m {
+        let mt = (m - t0).min(TILE_MT);
+        let a = &acts[t0 * kb..(t0 + mt) * kb];
         // SAFETY: base NEON, part of every aarch64 CPU.
         let mut res: Res = [[unsafe { vdupq_n_f32(0.0) }; 4]; TILE_MT];
         macro_rules! kernel {
             ($($n:literal)*) => {
-                match (kind, mt) {
+                match (w.kind, mt) {
                     $((Packed::Q4K, $n) =>
                         packed_q4k::<$n, D, false>(tiles, tile_bytes, a, kb, &mut res),
                       (Packed::Q5K, $n) =>
@@ -282,22 +282,20 @@ impl<D: Dot> TilePass for Neon<D> {
             };
         }
         // SAFETY: `D`'s instructions by the caller; the kernels get the run's `kb` whole tiles
-        // of `kind`'s layout, `tile_bytes` apart, `mt * kb` blocks of activations (`a`,
-        // sliced, checked), and `mt <= TILE_MT`.
+        // of `w.kind`'s layout (`run_tiles`), `tile_bytes` apart, `mt * kb` blocks of
+        // activations (`a`, sliced, checked), and `mt <= TILE_MT`.
         unsafe { kernel!(1 2 3 4) };
-        res
-    }
-
-    #[inline(always)]
-    unsafe fn store(sums: &Res, t: usize, out: &mut [f32]) {
-        let mut all = [0f32; ROWS_PER_UNIT];
-        for (q, v) in sums[t].iter().enumerate() {
-            // SAFETY: base NEON; `4 * q + 4 <= 16`, inside `all`.
-            unsafe { vst1q_f32(all.as_mut_ptr().add(4 * q), *v) };
+        for (t, v) in res[..mt].iter().enumerate() {
+            let mut all = [0f32; ROWS_PER_UNIT];
+            for (q, v) in v.iter().enumerate() {
+                // SAFETY: `4 * q + 4 <= 16`, inside `all`.
+                unsafe { vst1q_f32(all.as_mut_ptr().add(4 * q), *v) };
+            }
+            // The padded run: only its real rows.
+            let o = &mut out[(t0 + t) * w.rows + r0..][..valid];
+            o.copy_from_slice(&all[..valid]);
         }
-        // The padded run: only its real rows.
-        let n = out.len();
-        out.copy_from_slice(&all[..n]);
+        t0 += mt;
     }
 }
 
