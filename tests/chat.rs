@@ -462,9 +462,9 @@ fn a_longer_saved_prompt_still_gives_its_common_prefix() {
     assert!(!err.contains("starting fresh"), "{err}");
 }
 
-/// A terminal closed while chat waits at the prompt (SIGHUP ignored, as under `nohup` or some
-/// terminal emulators): reads and writes then fail with EIO. The chat ends with EX_IOERR (74),
-/// never a panic's 101. Python's `pty` plays the terminal.
+/// A terminal closed while chat waits at the prompt: reads and writes then fail with EIO. The
+/// chat ends cleanly (EX_IOERR, 74, or 130 for the hangup), never with a panic's 101. Python's
+/// `pty` plays the terminal.
 #[cfg(unix)]
 #[test]
 fn a_terminal_closed_at_the_prompt_ends_the_chat_without_a_panic() {
@@ -500,7 +500,10 @@ print(os.waitstatus_to_exitcode(status))
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
-    assert_eq!(stdout(&o).trim(), "74", "{}", stderr(&o));
+    // 74 when a read or write meets EIO first; 130 when the hangup signal does (ctrlc takes
+    // SIGHUP as it takes Ctrl-C at the prompt). Never a panic's 101.
+    let code = stdout(&o).trim().to_string();
+    assert!(code == "74" || code == "130", "exit {code}: {}", stderr(&o));
 }
 
 /// ollama's chat commands: `/set parameter` (its names and ReFusion's, checked), `/set system`,
