@@ -49,7 +49,7 @@ const HELP: &str = "commands: /reset (or /clear)  /save FILE  /load FILE  /templ
 /set parameter NAME VALUE  /set system TEXT  /show [parameters|system|template]  /bye (or /exit)  \
 /? (or /help)  (Ctrl-C stops an answer, Ctrl-D quits; arrows and Ctrl-R recall earlier lines)\n\
 /template TEXT: the next answer fills TEXT's {{gap}} / {{gap:N}} (at most N) / {{gap:=N}} markers \
-(\\n is a newline); \
+(escapes as in -p: \\n is a newline); \
 /template alone forgets it";
 
 /// Saves the conversation: the KV cache, its tokens and the messages.
@@ -268,7 +268,7 @@ impl Chat<'_> {
                 eprintln!("(answers are generated freely again)");
             }
             "/template" => {
-                let text = arg.replace("\\n", "\n");
+                let text = super::generate::process_escapes(arg);
                 match refusion_engine::decode::template::parse(&text, self.params.gen_length) {
                     Ok(pieces) => {
                         let gaps = pieces

@@ -192,22 +192,14 @@ fn llama_cpp_flag(arg: std::ffi::OsString) -> std::ffi::OsString {
         if s == short {
             return long.into();
         }
-        if let Some(v) = s.strip_prefix(short).and_then(|r| r.strip_prefix('=')) {
+        let Some(rest) = s.strip_prefix(short) else {
+            continue;
+        };
+        // `-ngl=99`, or a number written onto the flag (`-ngl99`, `-np4`), which clap would
+        // read as a one-letter flag and its value (`-n gl99`).
+        let number = !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit());
+        if let Some(v) = rest.strip_prefix('=').or(number.then_some(rest)) {
             return format!("{long}={v}").into();
-        }
-    }
-    // A number written onto a multi-letter flag (`-ngl99`, `-np4`), which clap would read as
-    // a one-letter flag and its value (`-n gl99`).
-    for (short, long) in [
-        ("-ngl", "--n-gpu-layers"),
-        ("-np", "--parallel"),
-        ("-ub", "--ubatch-size"),
-        ("-to", "--timeout"),
-    ] {
-        if let Some(v) = s.strip_prefix(short) {
-            if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
-                return format!("{long}={v}").into();
-            }
         }
     }
     arg

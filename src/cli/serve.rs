@@ -187,7 +187,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     warn_if_beyond_fd_limit(a.max_connections);
     let (header_timeout, body_timeout) = match a.timeout {
-        Some(t) => (seconds("--timeout", t)?, seconds("--timeout", t)?),
+        Some(t) => {
+            let t = seconds("--timeout", t)?;
+            (t, t)
+        }
         None => (
             seconds("--header-timeout", a.header_timeout)?,
             seconds("--body-timeout", a.body_timeout)?,
