@@ -468,12 +468,25 @@ fn ollama_verbs_over_the_hugging_face_cache() {
     // The model as a positional argument, as ollama users write it.
     let o = ok(&["generate", &spec, "-p", "What is 47 + 38?"]);
     assert!(o.contains("85"), "{o}");
+    // ollama's short names: the cached repository's name alone, `:latest` as no tag.
+    for short in ["tiny-GGUF:Q8_0", "TINY-gguf:q8_0"] {
+        let o = ok(&["generate", short, "-p", "What is 47 + 38?", "-n", "4"]);
+        assert!(!o.is_empty(), "{short}");
+    }
+    let o = refusion(&s, &home, &["show", "no-such-model"], &[]);
+    assert_fails_with(&o, &["'no-such-model'", "no cached repository"]);
     let o = ok(&["generate", s.q8.to_str().unwrap(), "-p", "What is 47 + 38?"]);
     assert!(o.contains("85"), "{o}");
     assert_eq!(s.hub.downloads().len(), 1);
     // run pulls a model that is not there yet.
     let q4 = format!("{GGUF_REPO}:Q4_K_M");
     assert!(ok(&["run", &q4, "What is 47 + 38?"]).contains("85"));
+    assert_eq!(s.hub.downloads().len(), 2);
+    // No tag and `:latest` are the default file (Q4_K_M), now cached.
+    for short in ["tiny-GGUF", "tiny-GGUF:latest", "test-org/tiny-GGUF:latest"] {
+        let o = ok(&["generate", short, "-p", "What is 47 + 38?", "-n", "4"]);
+        assert!(!o.is_empty(), "{short}");
+    }
     assert_eq!(s.hub.downloads().len(), 2);
     // ps asks a running server.
     let server = common::server::Server::start(&s.q8, &["-a", "tiny-served"]);

@@ -30,6 +30,15 @@ fn ollama_client_api() {
     server.python_client("ollama", "api");
 }
 
+/// An agent's tool-call round trip and JSON mode through the official `openai` client.
+#[test]
+fn openai_client_tools_and_json_mode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let server = Server::start(&model, &[]);
+    server.client("tools");
+}
+
 /// llama-server's `/tokenize`, `/detokenize` and `/props`.
 #[test]
 fn llama_server_utilities() {

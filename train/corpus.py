@@ -159,3 +159,120 @@ def extract(kind, text):
         return canonical_code(m.group(0)) if m else None
     m = re.search(r"The answer is (.+?)\.?\s*$", text.strip(), re.S)
     return m.group(1).strip() if m else None
+
+
+# Conversations, tool calls and JSON answers (the demo holds a chat, calls tools, answers in
+# JSON). Each is a chat: the messages before the answer, the tools offered, the answer.
+
+CITIES = ["Oslo", "Paris", "Lima", "Cairo", "Tokyo", "Rome", "Quito", "Delhi", "Sydney", "Berlin",
+          "Nairobi", "Madrid", "Seoul", "Dublin", "Hanoi", "Accra", "Lagos", "Vienna"]
+SKIES = ["sunny", "cloudy", "rainy", "windy", "foggy", "snowy"]
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two numbers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+
+
+def call_text(name, args):
+    """A tool call as Qwen3's chat template writes it (and the model is taught to)."""
+    import json
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def _tool(r):
+    """A question a tool answers: the call, or (after the tool's result) the answer."""
+    tools = [WEATHER, ADD] if r.random() < 0.5 else [ADD, WEATHER]
+    if r.random() < 0.5:
+        city = r.choice(CITIES)
+        q = r.choice(["What is the weather in {c}?", "How warm is it in {c} today?",
+                      "Tell me the weather in {c}."]).format(c=city)
+        name, args = "weather", {"city": city}
+        deg, sky = r.randint(-5, 35), r.choice(SKIES)
+        import json
+        result = json.dumps({"city": city, "degrees": deg, "sky": sky})
+        answer = f"It is {deg} degrees and {sky} in {city}.\nThe answer is {deg}."
+        ans = str(deg)
+    else:
+        a, b = r.randint(10, 999), r.randint(10, 999)
+        q = r.choice(["Use the add tool: what is {a} + {b}?", "With the add tool, add {a} and {b}.",
+                      "Call add to compute {a} + {b}."]).format(a=a, b=b)
+        name, args = "add", {"a": a, "b": b}
+        result = str(a + b)
+        answer = f"The add tool says {a} + {b} = {a + b}.\nThe answer is {a + b}."
+        ans = str(a + b)
+    messages = [{"role": "user", "content": q}]
+    if r.random() < 0.5:
+        return "tool_call", q, messages, tools, call_text(name, args), name
+    messages.append({"role": "assistant", "content": "",
+                     "tool_calls": [{"type": "function", "function": {"name": name, "arguments": args}}]})
+    messages.append({"role": "tool", "content": result})
+    return "tool_answer", q, messages, tools, answer, ans
+
+
+def _json(r):
+    """A question of the four kinds answered as a JSON object `{"answer": ...}`."""
+    import json
+    kind = r.choice(["add", "story", "list"])
+    q, _, ans = KINDS[kind](r)
+    q = q + r.choice([" Answer in JSON.", " Reply with a JSON object.", " Give the answer as JSON."])
+    value = json.loads(ans) if kind == "list" else int(ans)
+    return "json", q, [{"role": "user", "content": q}], None, json.dumps({"answer": value}), ans
+
+
+def _chat(r):
+    """Two to four questions in one conversation: the answer is the last one's."""
+    messages, turns = [], r.randint(2, 4)
+    for i in range(turns):
+        kind = r.choice(list(KINDS))
+        q, resp, ans = KINDS[kind](r)
+        messages.append({"role": "user", "content": q})
+        if i < turns - 1:
+            messages.append({"role": "assistant", "content": resp})
+    return "chat:" + kind, q, messages, None, resp, ans
+
+
+DIALOGUES = {"tool": _tool, "json": _json, "chat": _chat}
+
+
+def dialogue(r):
+    """One training chat: (kind, last question, messages, tools, answer, exact answer). Half
+    are the four kinds alone, the rest conversations, tool calls and JSON answers."""
+    x = r.random()
+    if x < 0.5:
+        kind, q, resp, ans = example(r)
+        return kind, q, [{"role": "user", "content": q}], None, resp, ans
+    make = _chat if x < 0.72 else _tool if x < 0.9 else _json
+    return make(r)
+
+
+def split_dialogues(seed, n=120):
+    """Held-out chats: `n` conversations, tool calls and JSON answers (a third each), whose
+    last question is never trained on."""
+    r = random.Random(seed * 7919 + 2)
+    out, seen = [], set()
+    for make in (_chat, _tool, _json):
+        k = 0
+        while k < n // 3:
+            kind, q, messages, tools, resp, ans = make(r)
+            if q in seen:
+                continue
+            seen.add(q)
+            out.append({"kind": kind, "question": q, "messages": messages, "tools": tools,
+                        "response": resp, "answer": ans})
+            k += 1
+    return out
+
+
+def stream_dialogues(seed, held_out):
+    """Training chats, endless and seeded; a chat that asks a held-out question (of either
+    held-out set, in any turn) is skipped."""
+    skip = {h["question"] for h in held_out}
+    r = random.Random(seed)
+    while True:
+        d = dialogue(r)
+        asked = [m["content"] for m in d[2] if m["role"] == "user"] + [d[1]]
+        if not any(q in c for c in asked for q in skip):
+            yield d

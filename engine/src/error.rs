@@ -62,6 +62,9 @@ pub enum RequestError {
     /// An answer template that cannot be decoded (no gap, a malformed marker, ...).
     #[error("template: {0}")]
     Template(String),
+    /// A grammar, schema or format the answer cannot be constrained to.
+    #[error("{0}")]
+    Grammar(String),
     /// A request field out of range or unknown (`field` as the API names it).
     #[error("{message}")]
     Field {

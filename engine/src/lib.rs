@@ -16,6 +16,7 @@
 //! Errors are [`error::Error`]; what a caller can get wrong is [`error::RequestError`].
 
 pub mod chat;
+pub mod constrain;
 pub mod decode;
 pub mod error;
 pub mod kv;

@@ -5,6 +5,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{json, Value as Json};
 
+use refusion_engine::constrain::Format;
 use refusion_engine::error::{Error, RequestError};
 
 /// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`.
@@ -103,6 +104,58 @@ pub struct ChatMessage {
     /// Absent is empty (ollama's client drops empty fields).
     #[serde(default)]
     pub content: Content,
+    /// An assistant turn's calls (OpenAI's shape), given back to the template.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<Json>>,
+    /// A tool turn's call id.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+    /// ollama's images on a message: refused (the model reads text).
+    #[serde(default)]
+    pub images: Option<Json>,
+}
+
+/// ollama's `images` (on a message or a generate request): refused unless empty.
+pub fn refuse_images(images: &Option<Json>) -> Result<(), ApiError> {
+    match images {
+        None | Some(Json::Null) => Ok(()),
+        Some(Json::Array(a)) if a.is_empty() => Ok(()),
+        Some(_) => Err(
+            ApiError::bad_request("images is not supported: ReFusion reads text only")
+                .param("images"),
+        ),
+    }
+}
+
+/// ollama's `think`: `true` (a separate reasoning trace) is refused; ReFusion answers
+/// without one.
+pub fn refuse_think(think: &Option<Json>) -> Result<(), ApiError> {
+    match think {
+        None | Some(Json::Null) | Some(Json::Bool(false)) => Ok(()),
+        Some(_) => Err(ApiError::bad_request(
+            "think is not supported: ReFusion answers without a separate reasoning trace",
+        )
+        .param("think")),
+    }
+}
+
+impl ChatMessage {
+    /// The message as the chat template reads it (the role checked).
+    pub fn message(&self) -> Result<refusion_engine::chat::Message, ApiError> {
+        if !matches!(self.role.as_str(), "system" | "user" | "assistant" | "tool") {
+            return Err(
+                ApiError::bad_request(format!("unknown role '{}'", self.role)).param("messages"),
+            );
+        }
+        refuse_images(&self.images)?;
+        let mut m = refusion_engine::chat::Message::new(&self.role, &self.content.text()?);
+        m.tool_calls = self.tool_calls.clone();
+        m.tool_call_id = self.tool_call_id.clone();
+        m.name = self.name.clone();
+        Ok(m)
+    }
 }
 
 impl Default for Content {
@@ -169,16 +222,148 @@ pub struct Knobs {
     pub top_logprobs: Option<serde_json::Value>,
     #[serde(default)]
     pub echo: Option<serde_json::Value>,
+    /// `{"type": "text" | "json_object" | "json_schema", ...}`: the answer's format.
     #[serde(default)]
     pub response_format: Option<serde_json::Value>,
+    /// llama-server's: a JSON Schema the answer follows.
+    #[serde(default)]
+    pub json_schema: Option<serde_json::Value>,
+    /// llama-server's: a GBNF grammar the answer follows.
+    #[serde(default)]
+    pub grammar: Option<String>,
+    /// A format the handler sets (a required tool call, ollama's `format`), with the field
+    /// it came from.
+    #[serde(skip)]
+    pub forced: Option<(Format, &'static str)>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+/// The samplers' filters and penalties clients send (OpenAI's `top_p`, `presence_penalty`,
+/// `frequency_penalty`; llama-server's `top_k`, `min_p`, ...), and the fields no decode here
+/// acts on. A filter keeps the most likely token, so at temperature 0 (greedy) it changes
+/// nothing and is accepted; above it, ReFusion samples its planning drafts with the
+/// reference's noise, unfiltered, so a filtering value is refused by name. A penalty or bias
+/// changes the logits, greedy or not: any value but its neutral one is refused.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Sampling {
+    pub top_p: Option<f64>,
+    pub top_k: Option<f64>,
+    pub min_p: Option<f64>,
+    pub typical_p: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repeat_penalty: Option<f64>,
+    pub dry_multiplier: Option<f64>,
+    pub mirostat: Option<f64>,
+    pub logit_bias: Option<Json>,
+    pub ignore_eos: Option<bool>,
+    /// OpenAI's deprecated function calling (`tools` replaced it).
+    pub functions: Option<Json>,
+    pub function_call: Option<Json>,
+    pub audio: Option<Json>,
+    pub modalities: Option<Json>,
+    pub prediction: Option<Json>,
+}
+
+impl Sampling {
+    /// Refuses what would act at `temperature` and what is never acted on.
+    pub fn check(&self, temperature: f64) -> Result<(), ApiError> {
+        let refuse = |name: &str, why: &str| {
+            Err(ApiError::bad_request(format!("{name} is not supported: {why}")).param(name))
+        };
+        let filter = "ReFusion samples its planning drafts with the reference's noise, unfiltered (at temperature 0, greedy, a filter changes nothing and is accepted)";
+        let penalty = "ReFusion's decoding takes the model's logits as they are";
+        // Each with the value at which it does nothing, and whether it acts at temperature 0.
+        let all = [
+            ("top_p", self.top_p, 1.0, false),
+            ("top_k", self.top_k, 0.0, false),
+            ("min_p", self.min_p, 0.0, false),
+            ("typical_p", self.typical_p, 1.0, false),
+            ("presence_penalty", self.presence_penalty, 0.0, true),
+            ("frequency_penalty", self.frequency_penalty, 0.0, true),
+            ("repeat_penalty", self.repeat_penalty, 1.0, true),
+            ("dry_multiplier", self.dry_multiplier, 0.0, true),
+            ("mirostat", self.mirostat, 0.0, true),
+        ];
+        for (name, value, neutral, greedy_too) in all {
+            let Some(v) = value else { continue };
+            if !v.is_finite() {
+                return Err(ApiError::bad_request(format!("{name} must be a number")).param(name));
+            }
+            if v != neutral && (greedy_too || temperature > 0.0) {
+                return refuse(name, if greedy_too { penalty } else { filter });
+            }
+        }
+        let given = |v: &Option<Json>| match v {
+            None | Some(Json::Null) => false,
+            Some(Json::Object(o)) => !o.is_empty(),
+            Some(Json::Array(a)) => !a.is_empty(),
+            Some(_) => true,
+        };
+        if given(&self.logit_bias) {
+            return refuse("logit_bias", penalty);
+        }
+        if self.ignore_eos == Some(true) {
+            return refuse("ignore_eos", "an answer ends at its end-of-sequence token");
+        }
+        if given(&self.functions) || given(&self.function_call) {
+            let field = if given(&self.functions) {
+                "functions"
+            } else {
+                "function_call"
+            };
+            return refuse(
+                field,
+                "use tools and tool_choice (OpenAI's current function calling)",
+            );
+        }
+        if given(&self.audio) {
+            return refuse("audio", "ReFusion reads and writes text only");
+        }
+        let text_only = match &self.modalities {
+            Some(Json::Array(a)) => a.iter().all(|m| m == "text"),
+            _ => true,
+        };
+        if !text_only {
+            return refuse("modalities", "ReFusion reads and writes text only");
+        }
+        if given(&self.prediction) {
+            return refuse(
+                "prediction",
+                "predicted outputs are not used by slot decoding",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// OpenAI's `response_format` as a format (none: text).
+fn response_format(v: &Json) -> Result<Option<Format>, ApiError> {
+    let bad = |m: &str| Err(ApiError::bad_request(m.to_string()).param("response_format"));
+    if v.is_null() {
+        return Ok(None);
+    }
+    match v.get("type").and_then(Json::as_str) {
+        Some("text") => Ok(None),
+        // llama-server also takes a schema here.
+        Some("json_object") => Ok(Some(match v.get("schema") {
+            Some(s) if !s.is_null() => Format::JsonSchema(s.clone()),
+            _ => Format::Json,
+        })),
+        Some("json_schema") => match v.pointer("/json_schema/schema") {
+            Some(s) if s.is_object() => Ok(Some(Format::JsonSchema(s.clone()))),
+            _ => bad("response_format.json_schema.schema is required (a JSON Schema object)"),
+        },
+        _ => bad("response_format.type must be text, json_object or json_schema"),
+    }
 }
 
 impl Knobs {
     /// A 400 naming the first field asked for that this server cannot honour: log-probabilities
     /// (slot decoding commits tokens verified or infilled in parallel; their probabilities are
-    /// not the left-to-right ones a caller of `logprobs` expects), `echo` and a
-    /// `response_format` other than text (answers are not constrained to a format). Their
-    /// "off" values (`false`, `null`, `0`, `{"type": "text"}`) pass.
+    /// not the left-to-right ones a caller of `logprobs` expects) and `echo`. Their "off"
+    /// values (`false`, `null`, `0`) pass.
     pub fn refuse_unsupported(&self) -> Result<(), ApiError> {
         use serde_json::Value;
         let off = |v: &Option<Value>| match v {
@@ -199,15 +384,36 @@ impl Knobs {
         if !off(&self.echo) {
             return refuse("echo", "the answer never repeats the prompt");
         }
-        let text = |v: &Value| v.get("type").and_then(Value::as_str) == Some("text");
-        match &self.response_format {
-            None | Some(Value::Null) => Ok(()),
-            Some(v) if text(v) => Ok(()),
-            Some(_) => refuse(
-                "response_format",
-                "answers are not constrained to JSON or a schema (only {\"type\": \"text\"})",
-            ),
+        Ok(())
+    }
+
+    /// The format the answer must follow and the field that asked for it: one of
+    /// `response_format`, `json_schema`, `grammar` and the handler's own.
+    pub fn format(&self) -> Result<Option<(Format, &'static str)>, ApiError> {
+        let mut found: Vec<(Format, &'static str)> = Vec::new();
+        if let Some(v) = &self.response_format {
+            if let Some(f) = response_format(v)? {
+                found.push((f, "response_format"));
+            }
         }
+        if let Some(v) = self.json_schema.as_ref().filter(|v| !v.is_null()) {
+            found.push((Format::JsonSchema(v.clone()), "json_schema"));
+        }
+        if let Some(g) = self.grammar.as_ref().filter(|g| !g.trim().is_empty()) {
+            found.push((Format::Gbnf(g.clone()), "grammar"));
+        }
+        if let Some(f) = &self.forced {
+            found.push(f.clone());
+        }
+        if found.len() > 1 {
+            let names: Vec<&str> = found.iter().map(|(_, n)| *n).collect();
+            return Err(ApiError::bad_request(format!(
+                "{} each constrain the answer: give one",
+                names.join(" and ")
+            ))
+            .param(names[1]));
+        }
+        Ok(found.pop())
     }
 
     /// The request's decoding parameters: its fields over the server's defaults (`base`),
@@ -233,12 +439,14 @@ impl Knobs {
             token_threshold: self.token_threshold,
             strategy: self.strategy.clone(),
         };
-        overrides.apply(base, max_gen_length).map_err(|e| match e {
+        let params = overrides.apply(base, max_gen_length).map_err(|e| match e {
             refusion_engine::error::RequestError::Field { field, message } => {
                 ApiError::bad_request(message).param(field)
             }
             e => ApiError::bad_request(e.to_string()),
-        })
+        })?;
+        self.sampling.check(params.temperature)?;
+        Ok(params)
     }
 }
 
@@ -253,6 +461,14 @@ pub struct ChatRequest {
     /// (llama.cpp's `parse_special`); by default it is text.
     #[serde(default)]
     pub parse_special: bool,
+    /// Functions the model may call (OpenAI's list).
+    #[serde(default)]
+    pub tools: Option<Json>,
+    /// `none`, `auto` (the default with tools), `required`, or a named function.
+    #[serde(default)]
+    pub tool_choice: Option<Json>,
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub knobs: Knobs,
 }
@@ -315,6 +531,13 @@ fn deserialize_inner<T: serde::de::DeserializeOwned>(
             let de = &mut serde_json::Deserializer::from_slice(body);
             if let Err(e) = serde_path_to_error::deserialize::<_, Knobs>(de) {
                 if e.path().to_string() != "." {
+                    (path, inner) = (e.path().to_string(), e.into_inner());
+                }
+            }
+            // The sampler fields are flattened once more, inside the knobs.
+            let de = &mut serde_json::Deserializer::from_slice(body);
+            if let Err(e) = serde_path_to_error::deserialize::<_, Sampling>(de) {
+                if path == "." && e.path().to_string() != "." {
                     (path, inner) = (e.path().to_string(), e.into_inner());
                 }
             }
@@ -394,6 +617,8 @@ impl From<Error> for ApiError {
                     RequestError::TooLong { .. } => err.param("max_tokens"),
                     RequestError::Field { field, .. } => err.param(field),
                     RequestError::Params(_) => err,
+                    // The front ends name the field the grammar came in.
+                    RequestError::Grammar(_) => err.param("response_format"),
                     // The front ends check their templates first and name their own field; this
                     // is the completions' one.
                     RequestError::Template(_) => err.param("suffix"),

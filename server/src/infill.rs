@@ -96,15 +96,7 @@ impl InfillRequest {
     }
 
     fn knobs(&self) -> Result<Knobs, ApiError> {
-        let max_tokens = match self.n_predict {
-            None | Some(-1) => None,
-            Some(n) => Some(u32::try_from(n).ok().ok_or_else(|| {
-                ApiError::bad_request(format!(
-                    "n_predict must be a number of tokens (0 or more) or -1, not {n}"
-                ))
-                .param("n_predict")
-            })?),
-        };
+        let max_tokens = n_predict(self.n_predict)?;
         Ok(Knobs {
             max_tokens,
             temperature: self.temperature,
@@ -118,6 +110,19 @@ impl InfillRequest {
             strategy: self.strategy.clone(),
             ..Knobs::default()
         })
+    }
+}
+
+/// llama-server's `n_predict` as a token limit: -1 (or none) is the server's default.
+pub(crate) fn n_predict(n: Option<i64>) -> Result<Option<u32>, ApiError> {
+    match n {
+        None | Some(-1) => Ok(None),
+        Some(n) => u32::try_from(n).map(Some).map_err(|_| {
+            ApiError::bad_request(format!(
+                "n_predict must be a number of tokens (0 or more) or -1, not {n}"
+            ))
+            .param("n_predict")
+        }),
     }
 }
 
@@ -229,7 +234,7 @@ fn within_indent(text: &str, n_indent: Option<u32>) -> String {
 
 /// The answer with only `fields` (llama-server's `response_fields`: a nested field by its
 /// path, `timings/predicted_n`, kept under that path as its key); all of it without.
-fn only(v: Value, fields: Option<&[String]>) -> Value {
+pub(crate) fn only(v: Value, fields: Option<&[String]>) -> Value {
     let Some(fields) = fields else {
         return v;
     };

@@ -13,6 +13,7 @@ mod access;
 mod answer;
 pub mod api;
 mod body;
+mod completion;
 mod conn;
 mod cors;
 mod error;
@@ -27,6 +28,7 @@ mod queue;
 mod shutdown;
 mod signals;
 mod stop;
+mod tools;
 mod webui;
 pub mod worker;
 
@@ -38,7 +40,7 @@ use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use serde_json::json;
 
@@ -455,6 +457,27 @@ fn router(state: AppState, cors: Cors) -> Router {
         "/infill",
         post(infill::infill).fallback(method_not_allowed("POST")),
     )
+    .route(
+        "/completion",
+        post(completion::completion).fallback(method_not_allowed("POST")),
+    )
+    .route(
+        "/completions",
+        post(completion::completion).fallback(method_not_allowed("POST")),
+    )
+    .route(
+        "/apply-template",
+        post(completion::apply_template).fallback(method_not_allowed("POST")),
+    )
+    .route(
+        "/slots",
+        get(completion::slots).fallback(method_not_allowed("GET, HEAD")),
+    )
+    .route("/embedding", any(completion::embeddings))
+    .route("/embeddings", any(completion::embeddings))
+    .route("/v1/embeddings", any(completion::embeddings))
+    .route("/api/embed", any(completion::embeddings))
+    .route("/api/embeddings", any(completion::embeddings))
     // ollama's API.
     .route(
         "/api/tags",

@@ -20,13 +20,14 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::api::{parse, ApiError, ChatMessage, Knobs, Stop};
+use super::api::{parse, refuse_images, refuse_think, ApiError, ChatMessage, Knobs, Stop};
 use super::fill::{FillSource, FillSpec};
 use super::jobs::{collect, submit};
 use crate::jobs::Msg;
 use crate::prepare::JobInput;
 use crate::AppState;
 use refusion_engine::chat::Message;
+use refusion_engine::constrain::Format;
 
 /// What `/api/tags` and `/api/show` tell about the one model served.
 #[derive(Debug, Clone)]
@@ -39,6 +40,30 @@ pub struct ModelCard {
     pub parameter_size: String,
     /// The file's modification time.
     pub modified: SystemTime,
+    /// The file's metadata but its arrays (ollama's `model_info`).
+    pub model_info: serde_json::Map<String, Value>,
+    /// The chat template.
+    pub template: String,
+}
+
+/// A GGUF metadata value as JSON (arrays are left out, as ollama leaves them out unasked).
+fn info_value(v: &refusion_gguf::Value) -> Option<Value> {
+    use refusion_gguf::Value as V;
+    Some(match v {
+        V::U8(x) => json!(x),
+        V::I8(x) => json!(x),
+        V::U16(x) => json!(x),
+        V::I16(x) => json!(x),
+        V::U32(x) => json!(x),
+        V::I32(x) => json!(x),
+        V::U64(x) => json!(x),
+        V::I64(x) => json!(x),
+        V::F32(x) => json!(refusion_engine::decode::shortest_f64(*x)),
+        V::F64(x) => json!(x),
+        V::Bool(x) => json!(x),
+        V::String(x) => json!(x),
+        V::Array(..) => return None,
+    })
 }
 
 /// ollama's `options`: the ones slot decoding honours; others are ignored.
@@ -64,8 +89,11 @@ struct GenerateRequest {
     suffix: Option<String>,
     #[serde(default)]
     options: Options,
-    /// Structured output: refused ([`refuse_format`]).
+    /// Structured output: `"json"` or a JSON Schema ([`format_of`]).
     format: Option<serde_json::Value>,
+    /// Refused when given ([`refuse_images`], [`refuse_think`]).
+    images: Option<Value>,
+    think: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -76,18 +104,22 @@ struct ChatRequest {
     #[serde(default)]
     options: Options,
     format: Option<serde_json::Value>,
+    /// Functions the model may call (OpenAI's list); their calls come back in the message.
+    tools: Option<Value>,
+    think: Option<Value>,
 }
 
-/// ollama's `format` (`"json"` or a JSON schema) asks for constrained output, which this
-/// server does not do: a 400 naming it (an empty `""` or `null` is no format).
-fn refuse_format(format: &Option<serde_json::Value>) -> Result<(), ApiError> {
+/// ollama's `format`: `"json"` (any JSON object) or a JSON Schema; `""` or `null` is none.
+fn format_of(format: &Option<serde_json::Value>) -> Result<Option<Format>, ApiError> {
     match format {
-        None | Some(serde_json::Value::Null) => Ok(()),
-        Some(serde_json::Value::String(s)) if s.is_empty() => Ok(()),
-        Some(_) => Err(ApiError::bad_request(
-            "format is not supported: answers are not constrained to JSON or a schema",
-        )
-        .param("format")),
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Ok(None),
+        Some(Value::String(s)) if s == "json" => Ok(Some(Format::Json)),
+        Some(v @ Value::Object(_)) => Ok(Some(Format::JsonSchema(v.clone()))),
+        Some(_) => Err(
+            ApiError::bad_request("format must be \"json\" or a JSON Schema object")
+                .param("format"),
+        ),
     }
 }
 
@@ -122,11 +154,25 @@ impl ModelCard {
             .and_then(|m| m.modified())
             .unwrap_or(SystemTime::UNIX_EPOCH)
             .clamp(SystemTime::UNIX_EPOCH, latest);
+        let template = h
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .unwrap_or("")
+            .to_string();
+        let mut model_info: serde_json::Map<String, Value> = h
+            .metadata
+            .iter()
+            .filter(|(k, _)| k != "tokenizer.chat_template")
+            .filter_map(|(k, v)| Some((k.clone(), info_value(v)?)))
+            .collect();
+        model_info.insert("general.parameter_count".into(), json!(params));
         ModelCard {
             size: file.file_len(),
             quantization,
             parameter_size,
             modified,
+            model_info,
+            template,
         }
     }
 }
@@ -172,10 +218,44 @@ pub async fn version() -> Response {
 
 pub async fn show(State(state): State<Arc<AppState>>) -> Response {
     let m = model_entry(&state);
+    let card = &state.card;
+    // The defaults a request starts from, as a Modelfile's PARAMETER lines.
+    let settings = &state.props["default_generation_settings"];
+    let mut parameters = String::new();
+    let mut line = |name: &str, v: &Value| {
+        if !v.is_null() {
+            parameters.push_str(&format!("{name:<16}{v}\n"));
+        }
+    };
+    line("num_ctx", &settings["n_ctx"]);
+    for (name, key) in [
+        ("num_predict", "n_predict"),
+        ("temperature", "temperature"),
+        ("seed", "seed"),
+        ("slot_size", "slot_size"),
+        ("serial_blocks", "serial_blocks"),
+        ("slot_threshold", "slot_threshold"),
+        ("token_threshold", "token_threshold"),
+    ] {
+        line(name, &settings["params"][key]);
+    }
+    let mut capabilities = vec!["completion", "insert"];
+    if card.template.contains("tools") {
+        capabilities.push("tools");
+    }
+    let modelfile = format!(
+        "FROM {}\nTEMPLATE {:?}\n{}",
+        state.model,
+        card.template,
+        parameters
+            .lines()
+            .map(|l| format!("PARAMETER {l}\n"))
+            .collect::<String>()
+    );
     Json(json!({
-        "modelfile": "", "parameters": "", "template": "",
-        "details": m["details"], "model_info": {"general.architecture": "qwen3"},
-        "capabilities": ["completion"], "modified_at": m["modified_at"],
+        "modelfile": modelfile, "parameters": parameters, "template": card.template,
+        "details": m["details"], "model_info": card.model_info,
+        "capabilities": capabilities, "modified_at": m["modified_at"],
     }))
     .into_response()
 }
@@ -198,9 +278,13 @@ pub async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
         Ok(r) => r,
         Err(e) => return error(e),
     };
-    if let Err(e) = refuse_format(&req.format) {
-        return error(e);
-    }
+    let format = match format_of(&req.format)
+        .and_then(|f| refuse_images(&req.images).map(|()| f))
+        .and_then(|f| refuse_think(&req.think).map(|()| f))
+    {
+        Ok(f) => f,
+        Err(e) => return error(e),
+    };
     let stream = req.stream.unwrap_or(true);
     if req.prompt.is_empty() {
         // ollama's way to load a model: nothing to generate.
@@ -218,14 +302,22 @@ pub async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
             messages.push(Message::new("system", s));
         }
         messages.push(Message::new("user", &req.prompt));
-        JobInput::Chat(messages)
+        JobInput::Chat {
+            messages,
+            tools: None,
+        }
     };
     // An empty suffix is none, as in ollama.
     let template = req
         .suffix
         .filter(|s| !s.is_empty())
         .map(|s| FillSpec::new(FillSource::Suffix(s), "suffix"));
-    let job = Job { input, template };
+    let job = Job {
+        input,
+        template,
+        format,
+        read_calls: false,
+    };
     answer(
         state,
         job,
@@ -241,9 +333,15 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(e) => return error(e),
     };
-    if let Err(e) = refuse_format(&req.format) {
-        return error(e);
-    }
+    let format = match format_of(&req.format).and_then(|f| refuse_think(&req.think).map(|()| f)) {
+        Ok(f) => f,
+        Err(e) => return error(e),
+    };
+    // ollama has no tool_choice: the model calls a tool or answers.
+    let plan = match crate::tools::plan(req.tools.as_ref(), None, None) {
+        Ok(p) => p,
+        Err(e) => return error(e),
+    };
     let stream = req.stream.unwrap_or(true);
     if req.messages.is_empty() {
         return Json(json!({"model": state.model, "created_at": now_rfc3339(),
@@ -253,18 +351,20 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     }
     let mut messages = Vec::with_capacity(req.messages.len());
     for m in &req.messages {
-        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
-            return error(ApiError::bad_request(format!("unknown role '{}'", m.role)));
-        }
-        match m.content.text() {
-            Ok(t) => messages.push(Message::new(&m.role, &t)),
+        match m.message() {
+            Ok(m) => messages.push(m),
             Err(e) => return error(e),
         }
     }
     let piece = |text: &str| json!({"message": {"role": "assistant", "content": text}});
     let job = Job {
-        input: JobInput::Chat(messages),
+        input: JobInput::Chat {
+            messages,
+            tools: plan.tools,
+        },
         template: None,
+        format,
+        read_calls: plan.read_calls,
     };
     answer(state, job, &req.options, stream, piece).await
 }
@@ -273,6 +373,10 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
 struct Job {
     input: JobInput,
     template: Option<FillSpec>,
+    /// The format the answer must follow (`format`).
+    format: Option<Format>,
+    /// Read tool calls out of the answer into the message's `tool_calls`.
+    read_calls: bool,
 }
 
 /// Runs the job and answers in ollama's shapes: `piece(text)` holds the text of one object.
@@ -283,10 +387,12 @@ async fn answer(
     stream: bool,
     piece: fn(&str) -> Value,
 ) -> Response {
-    let knobs = match options.knobs(stream) {
+    let mut knobs = match options.knobs(stream) {
         Ok(k) => k,
         Err(e) => return error(e),
     };
+    knobs.forced = job.format.map(|f| (f, "format"));
+    let read_calls = job.read_calls;
     let start = Instant::now();
     let (rx, guard, _) = match submit(&state, job.input, knobs, job.template).await {
         Ok(s) => s,
@@ -314,35 +420,64 @@ async fn answer(
             Ok(got) => {
                 drop(guard);
                 let (p, c) = (got.prompt_tokens, got.completion_tokens);
-                let v = finish(
-                    object(piece(&got.text), true),
-                    got.finish_reason,
-                    p,
-                    c,
-                    start.elapsed(),
-                );
+                let mut body = piece(&got.text);
+                if read_calls {
+                    match crate::tools::read(&got.text, got.finish_reason == "length") {
+                        Ok(parsed) if !parsed.calls.is_empty() => {
+                            body = piece(&parsed.content);
+                            body["message"]["tool_calls"] =
+                                crate::tools::ollama_calls(&parsed.calls);
+                        }
+                        Ok(_) => {}
+                        Err(e) => return error(e),
+                    }
+                }
+                let v = finish(object(body, true), got.finish_reason, p, c, start.elapsed());
                 Json(v).into_response()
             }
             Err(e) => error(e),
         };
     }
+    let mut watch = read_calls.then(crate::tools::CallWatch::default);
     let lines = UnboundedReceiverStream::new(rx).filter_map(move |msg| {
         let _keep = &guard;
         let v = match msg {
             // With a suffix, the gap's fill is the response.
-            Msg::Delta(d) | Msg::Fill { text: d, .. } => object(piece(&d), false),
+            Msg::Delta(d) | Msg::Fill { text: d, .. } => {
+                let d = match watch.as_mut() {
+                    Some(w) => w.push(&d),
+                    None => d,
+                };
+                if d.is_empty() {
+                    return None;
+                }
+                object(piece(&d), false)
+            }
             Msg::Done {
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
                 ..
-            } => finish(
-                object(piece(""), true),
-                finish_reason,
-                prompt_tokens,
-                completion_tokens,
-                start.elapsed(),
-            ),
+            } => {
+                // The calls (or the text held back for nothing) come with the last object.
+                let mut body = piece("");
+                if let Some(w) = &watch {
+                    match w.finish(finish_reason == "length") {
+                        Ok((_, calls)) if !calls.is_empty() => {
+                            body["message"]["tool_calls"] = crate::tools::ollama_calls(&calls);
+                        }
+                        Ok((rest, _)) => body = piece(&rest),
+                        Err(e) => body = json!({"error": e.message}),
+                    }
+                }
+                finish(
+                    object(body, true),
+                    finish_reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    start.elapsed(),
+                )
+            }
             Msg::Error(e) => json!({"error": e.message}),
             Msg::Started { .. } | Msg::Step(_) | Msg::End => return None,
         };

@@ -18,8 +18,8 @@ use super::fill::{stitch, FillSource, FillSpec};
 use super::jobs::{collect, enqueue, now, started, submit, usage, UsageTail};
 use crate::jobs::Msg;
 use crate::prepare::JobInput;
+use crate::tools;
 use crate::AppState;
-use refusion_engine::chat::Message;
 use refusion_engine::decode::TextPiece;
 
 pub(super) async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -42,14 +42,23 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
     } else {
         None
     };
-    let mut messages = Vec::with_capacity(req.messages.len());
-    for m in &req.messages {
-        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
-            return Err(
-                ApiError::bad_request(format!("unknown role '{}'", m.role)).param("messages")
-            );
-        }
-        messages.push(Message::new(&m.role, &m.content.text()?));
+    let plan = tools::plan(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+    )?;
+    if plan.read_calls && template.is_some() {
+        return Err(
+            ApiError::bad_request("tools and infill cannot be used together").param("tools"),
+        );
+    }
+    let messages = req
+        .messages
+        .iter()
+        .map(|m| m.message())
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(f) = plan.forced.clone() {
+        req.knobs.forced = Some((f, "tool_choice"));
     }
     let stream = req.knobs.stream;
     if req.knobs.decode_events && !stream {
@@ -67,8 +76,13 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
         Some(t) => Some(t.pieces(1)?),
         None => None,
     };
-    let (rx, guard, _) = submit(state, JobInput::Chat(messages), req.knobs, template).await?;
-    let id = format!("chatcmpl-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
+    let input = JobInput::Chat {
+        messages,
+        tools: plan.tools.clone(),
+    };
+    let (rx, guard, _) = submit(state, input, req.knobs, template).await?;
+    let n = state.next_id.fetch_add(1, Ordering::Relaxed).to_string();
+    let id = format!("chatcmpl-{n}");
     let created = now();
     let model = state.model.clone();
     if !stream {
@@ -80,6 +94,15 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
             let fills = gap_fills(pieces, &got.fills);
             choice["message"]["content"] = json!(stitch(pieces, &fills));
             choice["fills"] = json!(fills);
+        }
+        if plan.read_calls {
+            let parsed = tools::read(&got.text, got.finish_reason == "length")?;
+            if !parsed.calls.is_empty() {
+                let content = Some(parsed.content).filter(|c| !c.is_empty());
+                choice["message"] = json!({"role": "assistant", "content": content,
+                                           "tool_calls": tools::openai_calls(&parsed.calls, &n)});
+                choice["finish_reason"] = json!("tool_calls");
+            }
         }
         return Ok(Json(json!({
             "id": id, "object": "chat.completion", "created": created, "model": model,
@@ -96,10 +119,18 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
     };
     let first = SseEvent::default().data(chunk(json!({"role": "assistant", "content": ""}), None));
     let mut tail = UsageTail::new(include_usage);
+    let mut watch = plan.read_calls.then(tools::CallWatch::default);
     let events = UnboundedReceiverStream::new(rx).filter_map(move |msg| {
         let _keep = &guard;
         match msg {
-            Msg::Delta(d) => Some(SseEvent::default().data(chunk(json!({"content": d}), None))),
+            Msg::Delta(d) => {
+                let d = match watch.as_mut() {
+                    Some(w) => w.push(&d),
+                    None => d,
+                };
+                (!d.is_empty())
+                    .then(|| SseEvent::default().data(chunk(json!({"content": d}), None)))
+            }
             Msg::Fill { gap, text } => {
                 Some(SseEvent::default().data(chunk(json!({"content": text, "gap": gap}), None)))
             }
@@ -111,6 +142,21 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
             } => {
                 let mut v: serde_json::Value =
                     serde_json::from_str(&chunk(json!({}), Some(finish_reason))).ok()?;
+                // The calls (or the text held back for nothing) go out with the finish.
+                if let Some(w) = &watch {
+                    match w.finish(finish_reason == "length") {
+                        Ok((_, calls)) if !calls.is_empty() => {
+                            v["choices"][0]["delta"] =
+                                json!({"tool_calls": tools::openai_calls(&calls, &n)});
+                            v["choices"][0]["finish_reason"] = json!("tool_calls");
+                        }
+                        Ok((rest, _)) if !rest.is_empty() => {
+                            v["choices"][0]["delta"] = json!({"content": rest});
+                        }
+                        Ok(_) => {}
+                        Err(e) => return Some(SseEvent::default().data(e.body().to_string())),
+                    }
+                }
                 // Asked for, usage rides only on the extra last chunk (as OpenAI sends it: a
                 // client summing usage per chunk counts it once); else on the finish chunk,
                 // as llama-server puts it.

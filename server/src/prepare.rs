@@ -9,12 +9,17 @@ use crate::api::{ApiError, Knobs};
 use crate::fill::FillSpec;
 use crate::worker::Limits;
 use refusion_engine::chat::{ChatTemplate, Message, Tokenizer};
+use refusion_engine::constrain::Format;
 use refusion_engine::decode::{DecodeParams, Kind};
 use refusion_engine::load::runtime::Loaded;
 
 /// What a request asks the model to continue.
 pub enum JobInput {
-    Chat(Vec<Message>),
+    /// Messages through the chat template, with the tools the model may call.
+    Chat {
+        messages: Vec<Message>,
+        tools: Option<serde_json::Value>,
+    },
     Text(String),
     Tokens(Vec<u32>),
 }
@@ -73,6 +78,9 @@ impl Preparer {
         if let Some(spec) = template {
             params = spec.apply(params, &self.tokenizer, self.vocab, self.max_gen_length)?;
         }
+        if let Some((format, field)) = knobs.format()? {
+            params = self.constrained(params, &format, field)?;
+        }
         Ok(Prepared {
             prompt: self.prompt(input)?,
             params,
@@ -81,17 +89,41 @@ impl Preparer {
         })
     }
 
+    /// `params` with the answer constrained to `format` (which came in `field`).
+    fn constrained(
+        &self,
+        params: DecodeParams,
+        format: &Format,
+        field: &'static str,
+    ) -> Result<DecodeParams, ApiError> {
+        let refuse = |e: refusion_engine::error::RequestError| {
+            ApiError::bad_request(format!("{field}: {e}")).param(field)
+        };
+        let guide = self.tokenizer.guides()?.compile(format).map_err(refuse)?;
+        let params = params.with_guide(Arc::new(guide));
+        params.validate().map_err(refuse)?;
+        Ok(params)
+    }
+
+    /// The chat template's prompt for `messages` (and `tools`), the assistant's turn opened.
+    pub fn render(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<String, ApiError> {
+        let t = self
+            .template
+            .as_ref()
+            .ok_or_else(|| ApiError::bad_request("the model file has no chat template"))?;
+        t.render_with_tools(messages, tools, true)
+            .map_err(|e| ApiError::bad_request(e.to_string()))
+    }
+
     fn prompt(&self, input: &JobInput) -> Result<Vec<u32>, ApiError> {
         let tok = &self.tokenizer;
         match input {
-            JobInput::Chat(messages) => {
-                let t = self
-                    .template
-                    .as_ref()
-                    .ok_or_else(|| ApiError::bad_request("the model file has no chat template"))?;
-                let text = t
-                    .render(messages, true)
-                    .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            JobInput::Chat { messages, tools } => {
+                let text = self.render(messages, tools.as_ref())?;
                 tok.encode(&text)
                     .map_err(|e| ApiError::bad_request(e.to_string()))
             }

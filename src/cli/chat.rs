@@ -27,6 +27,8 @@ pub struct ChatArgs {
     model: ModelArgs,
     #[command(flatten)]
     decode: DecodeArgs,
+    #[command(flatten)]
+    grammar: super::grammar_args::GrammarArgs,
     /// A system message that starts the conversation.
     #[arg(long)]
     system: Option<String>,
@@ -101,6 +103,7 @@ fn restore<M: refusion_engine::model::Forward + ?Sized>(
 
 pub fn run(a: ChatArgs) -> Result<()> {
     a.decode.check()?;
+    let format = a.grammar.format()?;
     if a.multiline_input {
         anyhow::bail!("-mli is not supported: chat takes one line per message (end it with Enter)");
     }
@@ -113,6 +116,8 @@ pub fn run(a: ChatArgs) -> Result<()> {
     let loaded = load(&a.model.load_options(true)?)?;
     let header = &loaded.file.header;
     let params = a.decode.params(header, &loaded.tokenizer)?;
+    let params =
+        super::grammar_args::GrammarArgs::apply(format.as_ref(), params, &loaded.tokenizer)?;
     let source = header
         .get("tokenizer.chat_template")
         .and_then(Value::as_str)

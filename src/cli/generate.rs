@@ -14,6 +14,8 @@ use super::answer::{Output, Report};
 use super::model_args::ModelArgs;
 use refusion_engine::chat::{ChatTemplate, Message, Tokenizer};
 use refusion_engine::decode::DecodeParams;
+
+use super::grammar_args::GrammarArgs;
 use refusion_engine::kv::claim::{claim, CacheFile};
 use refusion_engine::load::plan::Workload;
 use refusion_engine::load::runtime::{load, load_for};
@@ -60,6 +62,8 @@ pub struct GenerateArgs {
     /// The text after the answer: shorthand for --template '{{gap}}TEXT'.
     #[arg(long, value_name = "TEXT", conflicts_with = "batch")]
     suffix: Option<String>,
+    #[command(flatten)]
+    grammar: super::grammar_args::GrammarArgs,
     /// Take `\n`, `\t`, `\\` ... in -p, --system, --template and --suffix as they are
     /// written, without llama.cpp's escape processing (on by default, as there).
     #[arg(long)]
@@ -395,6 +399,7 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
         }
     }
     a.decode.check()?;
+    let format = a.grammar.format()?;
     if let Some(pieces) = a.template_pieces(1) {
         // The markers are checked before the model loads (the gap default comes with it).
         pieces?;
@@ -431,6 +436,7 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
     let loaded = load_for(&opts, |m| -> Result<_> {
         let params = a.decode.params_for(m.header, m.tokenizer, a.templated())?;
         let params = a.with_template(params, m.tokenizer, m.vocab)?;
+        let params = GrammarArgs::apply(format.as_ref(), params, m.tokenizer)?;
         let prompt = a.prompt_of(m.tokenizer, m.header, file_text.as_deref())?;
         // A saved prompt longer than this request's cache is loaded whole (its common prefix
         // is kept): room for it, up to the context (a longer one cannot be loaded anyway).

@@ -8,6 +8,7 @@ mod chat;
 mod convert_cmd;
 mod demo;
 pub mod generate;
+mod grammar_args;
 mod line_input;
 pub mod model_args;
 mod models;

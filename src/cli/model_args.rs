@@ -34,8 +34,8 @@ pub struct ModelArgs {
     pub threads: Option<usize>,
     /// KV cache element type: f32 (exact, the default), f16, bf16, q8_0, q5_1, q5_0, q4_1 or
     /// q4_0 (llama.cpp's names; the block types on the CPU only).
-    #[arg(long, default_value = "f32", value_parser = parse_cache_type)]
-    pub cache_type: CacheType,
+    #[arg(long, value_parser = parse_cache_type)]
+    pub cache_type: Option<CacheType>,
     /// Back the KV cache with this file instead of anonymous memory.
     #[arg(long, value_name = "PATH")]
     pub kv_file: Option<PathBuf>,
@@ -144,6 +144,26 @@ impl ModelArgs {
         Ok(hub.gguf(&repo, quant)?)
     }
 
+    /// ollama's `OLLAMA_KV_CACHE_TYPE` (for K and V alike), when no cache type is given on
+    /// the command line: what `serve` honours when it runs under ollama's environment.
+    pub fn take_ollama_cache_type(&mut self) -> anyhow::Result<()> {
+        let given =
+            self.cache_type.is_some() || self.cache_type_k.is_some() || self.cache_type_v.is_some();
+        let Ok(v) = std::env::var("OLLAMA_KV_CACHE_TYPE") else {
+            return Ok(());
+        };
+        if given || v.is_empty() {
+            return Ok(());
+        }
+        let t =
+            parse_cache_type(&v).map_err(|e| anyhow::anyhow!("OLLAMA_KV_CACHE_TYPE={v}: {e}"))?;
+        if !self.log_disable {
+            eprintln!("note: KV cache type {} from OLLAMA_KV_CACHE_TYPE", t.name());
+        }
+        self.cache_type = Some(t);
+        Ok(())
+    }
+
     pub fn load_options(&self, verbose: bool) -> anyhow::Result<LoadOptions> {
         if self.mlock {
             anyhow::bail!(
@@ -165,7 +185,7 @@ impl ModelArgs {
             )
         };
         let cache_type = match (self.cache_type_k, self.cache_type_v) {
-            (None, None) => self.cache_type,
+            (None, None) => self.cache_type.unwrap_or(CacheType::F32),
             (Some(k), None) => return Err(one("-ctk", k)),
             (None, Some(v)) => return Err(one("-ctv", v)),
             (Some(k), Some(v)) if k != v => anyhow::bail!(

@@ -70,9 +70,18 @@ pub struct RunArgs {
 }
 
 /// A model as a user names it.
+#[derive(Debug)]
 enum Spec {
     File(PathBuf),
-    Repo { id: String, quant: Option<String> },
+    Repo {
+        id: String,
+        quant: Option<String>,
+    },
+    /// ollama's short name (`refusion-tiny`, `ReFusion:Q8_0`): a repository the cache holds.
+    Short {
+        name: String,
+        quant: Option<String>,
+    },
 }
 
 impl Spec {
@@ -83,23 +92,73 @@ impl Spec {
             return Ok(Spec::File(path.to_path_buf()));
         }
         let (id, quant) = match s.split_once(':') {
-            Some((id, q)) => (id, Some(q).filter(|q| !q.is_empty())),
+            // ollama's `:latest` is the default file, as no tag is.
+            Some((id, q)) => (
+                id,
+                Some(q).filter(|q| !q.is_empty() && !q.eq_ignore_ascii_case("latest")),
+            ),
             None => (s, None),
         };
-        if !is_repo_id(id) {
+        let quant = quant.map(str::to_string);
+        if is_repo_id(id) {
+            return Ok(Spec::Repo {
+                id: id.to_string(),
+                quant,
+            });
+        }
+        let short = !id.is_empty()
+            && id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+        if !short {
             bail!("'{s}' is neither a GGUF file nor a Hub repository ORG/NAME[:QUANT]");
         }
-        Ok(Spec::Repo {
-            id: id.to_string(),
-            quant: quant.map(str::to_string),
+        Ok(Spec::Short {
+            name: id.to_string(),
+            quant,
         })
+    }
+
+    /// A short name as the one repository in `cached` whose name it is (case aside).
+    fn expand(self, cached: &[Cached]) -> Result<Spec> {
+        let Spec::Short { name, quant } = self else {
+            return Ok(self);
+        };
+        let mut repos: Vec<&str> = cached
+            .iter()
+            .map(|m| m.repo.as_str())
+            .filter(|r| {
+                r.rsplit('/')
+                    .next()
+                    .is_some_and(|n| n.eq_ignore_ascii_case(&name))
+            })
+            .collect();
+        repos.dedup();
+        match repos.as_slice() {
+            [one] => Ok(Spec::Repo {
+                id: one.to_string(),
+                quant,
+            }),
+            [] => bail!(
+                "'{name}' is not a GGUF file, and no cached repository is named so (refusion list shows them; refusion pull ORG/NAME adds one)"
+            ),
+            many => bail!(
+                "'{name}' names several cached repositories: {}; give ORG/NAME",
+                many.join(", ")
+            ),
+        }
     }
 }
 
 /// The GGUF file a model names: the file itself, or the repo's from the Hugging Face cache,
 /// downloaded first when `fetch` (else only what is cached).
 pub fn resolve(spec: &str, fetch: bool, progress: bool) -> Result<PathBuf> {
-    match Spec::parse(spec)? {
+    let mut parsed = Spec::parse(spec)?;
+    if matches!(parsed, Spec::Short { .. }) {
+        let hub = Hub::from_env(false)?;
+        parsed = parsed.expand(&cached_models(hub.cache_dir()))?;
+    }
+    match parsed {
         Spec::File(p) => {
             if !p.is_file() {
                 bail!("{}: no such model file", p.display());
@@ -111,6 +170,7 @@ pub fn resolve(spec: &str, fetch: bool, progress: bool) -> Result<PathBuf> {
             let hub = if fetch { hub } else { hub.cached_only() };
             Ok(hub.gguf(&RepoRef::new(&id, None), quant.as_deref())?)
         }
+        Spec::Short { .. } => unreachable!("expanded above"),
     }
 }
 
@@ -297,7 +357,7 @@ pub fn rm(a: RmArgs) -> Result<()> {
     // Every name is checked before anything is deleted.
     let mut chosen = Vec::new();
     for spec in &a.models {
-        let Spec::Repo { id, quant } = Spec::parse(spec)? else {
+        let Spec::Repo { id, quant } = Spec::parse(spec)?.expand(&models)? else {
             bail!(
                 "rm deletes models pulled into the Hugging Face cache ({}); '{spec}' is a file of yours: delete it yourself",
                 cache.display()
@@ -559,7 +619,39 @@ mod tests {
             matches!(Spec::parse("org/name:Q8_0"), Ok(Spec::Repo { quant: Some(q), .. }) if q == "Q8_0")
         );
         assert!(matches!(Spec::parse("x.gguf"), Ok(Spec::File(_))));
-        assert!(Spec::parse("nonsense").is_err());
+        assert!(Spec::parse("no/such/thing").is_err());
+        assert!(Spec::parse("a b").is_err());
+        assert!(matches!(
+            Spec::parse("org/name:latest"),
+            Ok(Spec::Repo { quant: None, .. })
+        ));
+        let cached = |repo: &str, file: &str| Cached {
+            repo: repo.into(),
+            file: file.into(),
+            path: PathBuf::from(file),
+            size: 1,
+            modified: SystemTime::UNIX_EPOCH,
+        };
+        let models = [
+            cached("GSAI-ML/ReFusion", "refusion-Q4_K_M.gguf"),
+            cached("GSAI-ML/ReFusion", "refusion-Q8_0.gguf"),
+            cached("a/tiny", "t.gguf"),
+            cached("b/tiny", "t.gguf"),
+        ];
+        let short = Spec::parse("refusion:Q8_0")
+            .unwrap()
+            .expand(&models)
+            .unwrap();
+        assert!(
+            matches!(short, Spec::Repo { id, quant: Some(q) } if id == "GSAI-ML/ReFusion" && q == "Q8_0")
+        );
+        assert!(matches!(
+            Spec::parse("ReFusion:latest").unwrap().expand(&models),
+            Ok(Spec::Repo { quant: None, .. })
+        ));
+        let e = Spec::parse("tiny").unwrap().expand(&models).unwrap_err();
+        assert!(e.to_string().contains("a/tiny, b/tiny"), "{e}");
+        assert!(Spec::parse("nonsense").unwrap().expand(&models).is_err());
         assert_eq!(size_text(4_700_000_000), "4.7 GB");
     }
 }

@@ -69,7 +69,7 @@ pub struct ServeArgs {
     /// llama-server's --metrics: `/metrics` is always served here (accepted).
     #[arg(long, hide = true)]
     metrics: bool,
-    /// llama-server's --slots: refusion has no `/slots` endpoint yet (accepted, with a note).
+    /// llama-server's --slots: `GET /slots` is always served (accepted).
     #[arg(long, hide = true)]
     slots: bool,
     /// Seconds a request's headers may take, from its first byte.
@@ -173,10 +173,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             "-nocb is not supported: requests always share forwards (continuous batching); -np 1 decodes one request at a time"
         );
     }
-    let _ = (a.cont_batching, a.jinja, a.metrics);
-    if a.slots {
-        eprintln!("note: --slots: refusion serve has no /slots endpoint yet; /metrics and /health report the load");
-    }
+    let _ = (a.cont_batching, a.jinja, a.metrics, a.slots);
     check_access(a.host, a.api_key.as_deref())?;
     refusion_server::Cors::new(&a.cors_origin, a.host, a.api_key.as_deref())?;
     if !(1..=65_536).contains(&a.max_connections) {
@@ -204,7 +201,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_connections: a.max_connections,
     };
     // The worker's cache holds the context and room for an answer beyond it: planned so.
-    let mut opts = a.model.load_options(true)?;
+    let mut model = a.model.clone();
+    model.take_ollama_cache_type()?;
+    let mut opts = model.load_options(true)?;
     opts.kv_extra = a.max_gen_length as usize;
     let loaded = load(&opts)?;
     let base = a.decode.params(&loaded.file.header, &loaded.tokenizer)?;

@@ -4,7 +4,7 @@
     openai_client.py BASE_URL MODE
 MODE: "api" (completions, streaming, errors), "load" (8 clients x 25 requests),
 "busy" (a full queue answers 503), "auth" (API key), "llama" (llama-server's /tokenize,
-/detokenize and /props). Prints OK and exits 0, or raises."""
+/detokenize and /props), "tools" (a tool call's round trip, JSON mode with a schema). Prints OK and exits 0, or raises."""
 import concurrent.futures
 import json
 import sys
@@ -240,5 +240,40 @@ elif mode == "llama":
         assert b["error"]["param"] == param, (body, b)
     s, b = raw("/v1/completions", {"prompt": {"text": "hi"}})
     check_error(s, b, 400, "prompt must be a string, a list of one string, or token ids")
+
+elif mode == "tools":
+    # The agent's loop with the official client: a required call, the tool's answer given
+    # back, then the answer; JSON mode with a schema; a streamed call accumulated.
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    tools = [{"type": "function", "function": {
+        "name": "weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}},
+                       "required": ["unit"], "additionalProperties": False}}}]
+    msgs = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    r = client.chat.completions.create(model="m", messages=msgs, tools=tools, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=96)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", r
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "weather" and json.loads(call.function.arguments)["unit"] in ("c", "f"), call
+    msgs.append(choice.message.model_dump(exclude_none=True))
+    msgs.append({"role": "tool", "tool_call_id": call.id, "content": "12 degrees"})
+    r = client.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=8)
+    assert r.usage.prompt_tokens > 0 and r.choices[0].finish_reason in ("stop", "length", "tool_calls"), r
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="m", messages=msgs[:1], max_tokens=32,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool), r
+    calls = {}
+    for chunk in client.chat.completions.create(model="m", messages=msgs[:1], tools=tools, stream=True,
+                                                tool_choice={"type": "function", "function": {"name": "weather"}},
+                                                max_tokens=96):
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            c = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            c["name"] += d.function.name or ""
+            c["arguments"] += d.function.arguments or ""
+    assert calls[0]["name"] == "weather" and json.loads(calls[0]["arguments"])["unit"] in ("c", "f"), calls
 
 print("OK")

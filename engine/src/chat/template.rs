@@ -15,10 +15,20 @@ const FUEL: u64 = 50_000_000;
 /// Largest rendered prompt accepted.
 const MAX_OUTPUT: usize = 64 << 20;
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool calls, as OpenAI writes them (`{"type": "function",
+    /// "function": {"name", "arguments"}}`); the template renders them in the model's format.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A tool turn's answer to this call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool turn's function name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl Message {
@@ -26,6 +36,7 @@ impl Message {
         Message {
             role: role.to_string(),
             content: content.to_string(),
+            ..Message::default()
         }
     }
 }
@@ -141,6 +152,17 @@ impl ChatTemplate {
     /// ReFusion is run with thinking "enabled", which in the Qwen3 template means no empty
     /// think block is added.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Self::render`] with the functions the model may call (OpenAI's `tools` list, as
+    /// sent): the template writes them into the system turn.
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self
             .env
             .get_template("chat")
@@ -148,7 +170,10 @@ impl ChatTemplate {
         let ctx = minijinja::context! {
             messages => JValue::from(minijinja::value::Serde(messages)),
             add_generation_prompt => add_generation_prompt,
-            tools => JValue::from(()),
+            tools => match tools {
+                Some(t) => JValue::from(minijinja::value::Serde(t)),
+                None => JValue::from(()),
+            },
             documents => JValue::from(()),
             enable_thinking => true,
         };

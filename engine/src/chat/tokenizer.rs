@@ -45,6 +45,9 @@ pub struct Tokenizer {
     /// A copy that reads special tokens' text as text (llama.cpp's `parse_special: false`),
     /// made the first time it is needed ([`Tokenizer::encode_text`]).
     plain: std::sync::OnceLock<tokenizers::Tokenizer>,
+    /// The vocabulary as the grammar engine sees it, made the first time a request is
+    /// constrained ([`Tokenizer::guides`]).
+    guides: std::sync::OnceLock<std::result::Result<crate::constrain::Guides, String>>,
 }
 
 /// GPT-2's byte-level alphabet read back: the character standing for each byte (printable
@@ -267,6 +270,7 @@ impl Tokenizer {
             bytes,
             offsets,
             plain: std::sync::OnceLock::new(),
+            guides: std::sync::OnceLock::new(),
         })
     }
 
@@ -311,6 +315,30 @@ impl Tokenizer {
 
     pub fn token_to_id(&self, text: &str) -> Option<u32> {
         self.inner.token_to_id(text)
+    }
+
+    /// The grammar engine over this vocabulary (built once, on first use: it indexes every
+    /// token's bytes).
+    pub fn guides(&self) -> Result<&crate::constrain::Guides> {
+        self.guides
+            .get_or_init(|| {
+                let eos = self
+                    .eos_id
+                    .ok_or("the file names no end-of-sequence token to end a constrained answer")?;
+                let words: Vec<Vec<u8>> = (0..self.vocab_size as u32)
+                    .map(|id| match self.is_special(id) {
+                        // llguidance names a special token by 0xFF and its text.
+                        true => {
+                            let text = self.inner.id_to_token(id).unwrap_or_default();
+                            [&[0xFF], text.as_bytes()].concat()
+                        }
+                        false => self.raw_bytes(id).to_vec(),
+                    })
+                    .collect();
+                crate::constrain::Guides::new(&words, eos).map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| Error::model(e.clone()))
     }
 
     /// The text of `ids` as bytes, end to end (control tokens give none).

@@ -10,6 +10,7 @@
 
 use super::strategy::{Poll, Strategy};
 use super::{argmax, DecodeParams, DecodeResult, Event, Noise};
+use crate::constrain::Constraint;
 use crate::error::{Error, Result};
 use crate::kv::SeqCache;
 use crate::model::{Batch, LogitsFor, LogitsRef};
@@ -29,6 +30,10 @@ pub struct Autoregressive {
     forward_tokens: usize,
     forward_sizes: Vec<u32>,
     batch: Batch,
+    /// The grammar the answer follows, if any ([`DecodeParams::guide`]).
+    constraint: Option<Constraint>,
+    /// The logits with what the grammar forbids at minus infinity (sampling under a grammar).
+    masked: Vec<f32>,
 }
 
 impl Autoregressive {
@@ -49,7 +54,92 @@ impl Autoregressive {
             forward_tokens: 0,
             forward_sizes: Vec::new(),
             batch: Batch::default(),
+            constraint: params.guide.as_ref().map(|g| g.start()),
+            masked: Vec::new(),
         }
+    }
+}
+
+impl Autoregressive {
+    /// The next token from the last position's logits: the arg-max (or a sample at a
+    /// temperature) among the tokens the grammar allows, if there is one.
+    fn pick(&mut self, row: &[f32]) -> Result<u32> {
+        let Some(c) = self.constraint.as_mut() else {
+            return Ok(if self.p.temperature > 0.0 {
+                self.noise.sample(row, self.p.temperature)
+            } else {
+                argmax(row)
+            } as u32);
+        };
+        let allowed = c.allowed()?;
+        let eos = self.p.eos_id as usize;
+        if self.p.temperature > 0.0 {
+            self.masked.clear();
+            self.masked.resize(row.len(), f32::NEG_INFINITY);
+            allowed.each(|t| {
+                if let Some(&x) = row.get(t as usize) {
+                    self.masked[t as usize] = x;
+                }
+            });
+            if allowed.may_end && eos < row.len() {
+                self.masked[eos] = row[eos];
+            }
+            if self.masked.iter().all(|x| *x == f32::NEG_INFINITY) {
+                return Err(Error::internal("the grammar allows no token here"));
+            }
+            let tok = self.noise.sample(&self.masked, self.p.temperature) as u32;
+            // Every allowed weight can underflow to 0 (logits below -745), when the first index
+            // wins the tie, allowed or not: then the arg-max among the allowed is taken.
+            let ok = if tok == self.p.eos_id {
+                allowed.may_end
+            } else {
+                allowed.allows(tok)
+            };
+            if ok {
+                if tok != self.p.eos_id {
+                    c.accept(tok)?;
+                }
+                return Ok(tok);
+            }
+        }
+        let mut best: Option<(u32, f32)> = None;
+        let mut consider = |t: u32, x: f32| {
+            if best.is_none_or(|(_, b)| x > b) {
+                best = Some((t, x));
+            }
+        };
+        allowed.each(|t| {
+            if t != self.p.eos_id {
+                if let Some(&x) = row.get(t as usize) {
+                    consider(t, x);
+                }
+            }
+        });
+        if allowed.may_end {
+            if let Some(&x) = row.get(eos) {
+                consider(self.p.eos_id, x);
+            }
+        }
+        let Some((tok, _)) = best else {
+            return Err(Error::internal("the grammar allows no token here"));
+        };
+        if tok != self.p.eos_id {
+            c.accept(tok)?;
+        }
+        Ok(tok)
+    }
+
+    fn commit(&mut self, tok: u32, on_event: &mut dyn FnMut(Event<'_>)) {
+        let pos = self.next_pos;
+        self.tokens.push(tok);
+        self.positions.push(pos);
+        on_event(Event::Committed {
+            positions: &[pos],
+            tokens: &[tok],
+        });
+        self.feed.clear();
+        self.feed.push(tok);
+        self.done = tok == self.p.eos_id || self.tokens.len() >= self.p.gen_length as usize;
     }
 }
 
@@ -86,22 +176,15 @@ impl Strategy for Autoregressive {
         self.forward_sizes.push(n as u32);
         cache.commit_row(0)?;
         self.next_pos += n as u32;
-        let row = logits.row(0);
-        let tok = if self.p.temperature > 0.0 {
-            self.noise.sample(row, self.p.temperature)
-        } else {
-            argmax(row)
-        } as u32;
-        let pos = self.next_pos;
-        self.tokens.push(tok);
-        self.positions.push(pos);
-        on_event(Event::Committed {
-            positions: &[pos],
-            tokens: &[tok],
-        });
-        self.feed.clear();
-        self.feed.push(tok);
-        self.done = tok == self.p.eos_id || self.tokens.len() >= self.p.gen_length as usize;
+        let tok = self.pick(logits.row(0))?;
+        self.commit(tok, on_event);
+        // A grammar that is complete and allows nothing more ends the answer without another
+        // forward.
+        let finished = self.constraint.as_ref().is_some_and(|c| c.finished());
+        if finished && !self.done {
+            self.next_pos += 1;
+            self.commit(self.p.eos_id, on_event);
+        }
         Ok(())
     }
 
@@ -167,5 +250,45 @@ impl super::strategy::Method for LeftToRight {
         params: &DecodeParams,
     ) -> Box<dyn super::Strategy> {
         Box::new(Autoregressive::new(prompt, cached, params))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::constrain::{Format, Guides};
+    use std::sync::Arc;
+
+    /// A decoder over a byte vocabulary (256 bytes, then the end token 256 and a mask 257)
+    /// constrained to `gbnf`.
+    fn constrained(gbnf: &str, temperature: f64) -> Autoregressive {
+        let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        words.push(b"\xff<|im_end|>".to_vec());
+        words.push(b"\xff<|mask|>".to_vec());
+        let guides = Guides::new(&words, 256).unwrap();
+        let guide = guides.compile(&Format::Gbnf(gbnf.into())).unwrap();
+        let mut p = DecodeParams::new(refusion_gguf::DecodingDefaults::default(), 256, 257)
+            .with_guide(Arc::new(guide));
+        p.temperature = temperature;
+        p.validate().unwrap();
+        Autoregressive::new(&[1, 2, 3], 0, &p)
+    }
+
+    #[test]
+    fn the_grammar_chooses_among_what_it_allows() {
+        for temperature in [0.0, 0.8] {
+            let mut d = constrained("root ::= \"a\" [bc]", temperature);
+            let mut row = vec![0.0f32; 258];
+            row[b'z' as usize] = 50.0;
+            row[b'c' as usize] = 5.0;
+            assert_eq!(d.pick(&row).unwrap(), b'a' as u32);
+            assert_eq!(d.pick(&row).unwrap(), b'c' as u32);
+            assert!(d.constraint.as_ref().unwrap().finished());
+        }
+        // Every allowed weight underflowing to 0 still gives an allowed token.
+        let mut d = constrained("root ::= \"q\"", 0.8);
+        let mut row = vec![-1000.0f32; 258];
+        row[0] = f32::NEG_INFINITY;
+        assert_eq!(d.pick(&row).unwrap(), b'q' as u32);
     }
 }

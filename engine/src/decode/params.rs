@@ -27,6 +27,9 @@ pub struct DecodeParams {
     /// The answer's known spans and gaps, for [`super::Kind::Infill`] (none: one gap of the
     /// gen length).
     pub template: Option<Arc<Template>>,
+    /// The grammar the answer must follow (JSON, a schema, a tool call...): decoded left to
+    /// right, each token masked by it ([`DecodeParams::with_guide`]).
+    pub guide: Option<Arc<crate::constrain::Guide>>,
 }
 
 /// An f32 setting as the f64 its shortest decimal reads (0.6, not 0.6000000238418579): how the
@@ -50,6 +53,7 @@ impl DecodeParams {
             reference_eos_bug: false,
             strategy: super::Kind::Slots,
             template: None,
+            guide: None,
         }
     }
 
@@ -60,6 +64,18 @@ impl DecodeParams {
             self.strategy = super::Kind::Infill;
         }
         self.template = Some(Arc::new(template));
+        self
+    }
+
+    /// Constrains the answer to `guide`'s grammar. Constrained answers are decoded left to
+    /// right (slot decoding commits drafted and infilled tokens a grammar cannot check in
+    /// order), so slot decoding gives way to left-to-right decoding; a template's gaps cannot
+    /// be constrained ([`Self::validate`] refuses).
+    pub fn with_guide(mut self, guide: Arc<crate::constrain::Guide>) -> DecodeParams {
+        if self.strategy == super::Kind::Slots {
+            self.strategy = super::Kind::Autoregressive;
+        }
+        self.guide = Some(guide);
         self
     }
 
@@ -151,6 +167,14 @@ impl DecodeParams {
                 "gaps are filled by slot decoding; strategy '{}' cannot fill them",
                 self.strategy
             )));
+        }
+        if let Some(g) = &self.guide {
+            if self.strategy != super::Kind::Autoregressive || self.template.is_some() {
+                return Err(RequestError::Grammar(format!(
+                    "an answer constrained to a {} is decoded left to right (strategy 'ar'), without a template's gaps",
+                    g.format.describe()
+                )));
+            }
         }
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(RequestError::Params(format!(
