@@ -157,6 +157,37 @@ fn completion_apply_template_slots_and_refusals() {
         chat(json!({"temperature": 0.7, "top_p": 1.0})),
     );
     assert_eq!(status, 200);
+    // /infill reads them as well: the editors' greedy requests pass (their sampler chain and
+    // filters act on nothing at temperature 0), a sampled one with a filter is refused.
+    let infill = |extra: Value| {
+        let mut b = json!({"input_prefix": "def f(x):\n", "input_suffix": "\n", "n_predict": 4,
+                           "top_k": 40, "top_p": 0.99, "samplers": ["top_k", "top_p", "infill"],
+                           "cache_prompt": true, "t_max_prompt_ms": 500, "id_slot": -1});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let (status, text) = server.post("/infill", infill(json!({})));
+    assert_eq!(status, 200, "{text}");
+    for (extra, param) in [
+        (
+            json!({"temperature": 0.5, "top_k": 0, "top_p": 1.0}),
+            "samplers",
+        ),
+        (json!({"temperature": 0.5, "samplers": []}), "top_k"),
+        (json!({"samplers": ["top_k", "mystery"]}), "samplers"),
+        (json!({"repeat_penalty": 1.3}), "repeat_penalty"),
+        (json!({"n_probs": 3}), "n_probs"),
+        (json!({"id_slot": 1}), "id_slot"),
+        (json!({"seed": -7}), "seed"),
+        (json!({"min_p": "low"}), "min_p"),
+    ] {
+        let (status, text) = server.post("/infill", infill(extra.clone()));
+        assert_eq!(status, 400, "{extra}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["param"], param, "{extra}: {text}");
+    }
 }
 
 /// A GET over a raw socket: the status and the body.
@@ -228,12 +259,25 @@ fn ollama_show_and_what_it_refuses() {
             json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "think": true}),
             "think is not supported",
         ),
+        // ollama's sampler options follow the OpenAI endpoints' rule.
+        (
+            "/api/generate",
+            json!({"model": "m", "prompt": "hi", "options": {"temperature": 0.7, "top_p": 0.5}}),
+            "top_p is not supported",
+        ),
+        (
+            "/api/chat",
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                   "options": {"repeat_penalty": 1.2}}),
+            "repeat_penalty is not supported",
+        ),
     ] {
         let (status, text) = server.post(path, &body);
         assert_eq!(status, 400, "{body}: {text}");
         assert!(text.contains(needle), "{text}");
     }
     let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi", "images": []}],
-                      "think": false, "stream": false, "options": {"num_predict": 2}});
+                      "think": false, "stream": false,
+                      "options": {"num_predict": 2, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.0}});
     server.post_json("/api/chat", &body);
 }

@@ -264,7 +264,26 @@ pub struct Sampling {
     pub audio: Option<Json>,
     pub modalities: Option<Json>,
     pub prediction: Option<Json>,
+    /// llama-server's sampler chain by name (`["top_k", "top_p", "infill"]`, as llama.vim and
+    /// llama.vscode send it): at temperature 0 no sampler acts; above it, a chain naming a
+    /// filter or penalty is refused as the filters are.
+    pub samplers: Option<Vec<String>>,
 }
+
+/// llama-server's sampler names (`--samplers`, the request's `samplers`).
+const SAMPLERS: [&str; 11] = [
+    "dry",
+    "top_k",
+    "typ_p",
+    "typical_p",
+    "top_p",
+    "min_p",
+    "xtc",
+    "temperature",
+    "infill",
+    "penalties",
+    "top_n_sigma",
+];
 
 impl Sampling {
     /// Refuses what would act at `temperature` and what is never acted on.
@@ -333,6 +352,25 @@ impl Sampling {
                 "prediction",
                 "predicted outputs are not used by slot decoding",
             );
+        }
+        self.check_samplers(temperature)
+    }
+
+    fn check_samplers(&self, temperature: f64) -> Result<(), ApiError> {
+        for name in self.samplers.iter().flatten() {
+            if !SAMPLERS.contains(&name.as_str()) {
+                return Err(ApiError::bad_request(format!(
+                    "samplers: unknown sampler {name:?} (llama-server's are {})",
+                    SAMPLERS.join(", ")
+                ))
+                .param("samplers"));
+            }
+            if temperature > 0.0 && name != "temperature" {
+                return Err(ApiError::bad_request(format!(
+                    "samplers is not supported above temperature 0 ({name:?}): ReFusion samples its planning drafts with the reference's noise, unfiltered (at temperature 0, greedy, no sampler acts and the list is accepted)"
+                ))
+                .param("samplers"));
+            }
         }
         Ok(())
     }

@@ -25,6 +25,7 @@ use super::api::{
     parse, parse_with_knobs, ApiError, ChatMessage, Knobs, PromptField, Sampling, Stop,
 };
 use super::jobs::{collect, submit};
+use super::llama_fields;
 use crate::jobs::Msg;
 use crate::prepare::JobInput;
 use crate::AppState;
@@ -65,37 +66,17 @@ struct CompletionRequest {
 
 impl CompletionRequest {
     fn knobs(&self) -> Result<Knobs, ApiError> {
-        let bad = |m: String, p: &str| ApiError::bad_request(m).param(p);
-        if self.id_slot.is_some_and(|s| s != -1) {
-            return Err(bad(
-                "id_slot is not supported: requests share the slots as the scheduler places them (send -1)".into(),
-                "id_slot",
-            ));
-        }
-        if self.n_probs.is_some_and(|n| n > 0) {
-            return Err(bad(
-                "n_probs is not supported: slot decoding commits tokens verified or infilled in parallel, whose probabilities are not left-to-right log-probabilities".into(),
-                "n_probs",
-            ));
-        }
+        llama_fields::refuse_slot_and_probs(self.id_slot, self.n_probs)?;
         if self.return_tokens == Some(true) {
-            return Err(bad(
-                "return_tokens is not supported: the answer is its text (POST /tokenize gives its ids)".into(),
-                "return_tokens",
-            ));
+            return Err(ApiError::bad_request(
+                "return_tokens is not supported: the answer is its text (POST /tokenize gives its ids)",
+            )
+            .param("return_tokens"));
         }
-        let max_tokens = super::infill::n_predict(self.n_predict)?;
-        let seed = match self.seed {
-            None | Some(-1) => None,
-            Some(s) => Some(
-                u64::try_from(s)
-                    .map_err(|_| bad(format!("seed must be -1 or 0 or more, not {s}"), "seed"))?,
-            ),
-        };
         Ok(Knobs {
-            max_tokens,
+            max_tokens: llama_fields::n_predict(self.n_predict)?,
             temperature: self.temperature,
-            seed,
+            seed: llama_fields::seed(self.seed)?,
             stop: self.stop.clone(),
             stream: self.stream,
             slot_size: self.slot_size,

@@ -11,8 +11,11 @@
 //! first later line indented less (llama-server's rule); `t_max_predict_ms` bounds the
 //! generation (past it, the middle is given up: empty content, `stop_type` "limit");
 //! `response_fields` answers only the fields named (nested ones by `parent/child`, as keys).
-//! Sampling fields (`top_k`, `top_p`, `samplers`) have nothing to act on: ReFusion's decode is
-//! greedy with its planning noise (`temperature`); `cache_prompt` is what the server does anyway.
+//! The sampler fields (`top_k`, `top_p`, `samplers`, ...) are read as on every endpoint: at
+//! temperature 0 (greedy) a filter changes nothing and is accepted, above it it is refused by
+//! name ([`Sampling`]); `cache_prompt` is what the server does anyway; `t_max_prompt_ms` is
+//! accepted as llama-server accepts it, which does not act on it either (its `slot_params`:
+//! "TODO: implement"); `id_slot` and `n_probs` as on `/completion`.
 
 use std::sync::Arc;
 
@@ -26,9 +29,10 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::api::{parse, ApiError, Knobs, Stop};
+use super::api::{parse_with_knobs, ApiError, Knobs, Sampling, Stop};
 use super::fill::{FillSource, FillSpec};
 use super::jobs::{collect, submit};
+use super::llama_fields;
 use crate::jobs::Msg;
 use crate::prepare::JobInput;
 use crate::AppState;
@@ -65,14 +69,27 @@ struct InfillRequest {
     #[serde(default)]
     stream: bool,
     temperature: Option<f64>,
-    seed: Option<u64>,
+    /// -1: a random seed.
+    seed: Option<i64>,
     stop: Option<Stop>,
+    /// Prompts are cached anyway (shared prefixes).
+    #[serde(rename = "cache_prompt")]
+    _cache_prompt: Option<bool>,
+    /// llama-server reads it and does not act on it ("TODO: implement"); so here.
+    #[serde(rename = "t_max_prompt_ms")]
+    _t_max_prompt_ms: Option<i64>,
+    /// -1: any slot; a given slot cannot be pinned.
+    id_slot: Option<i64>,
+    /// Probabilities of the top tokens: refused above 0.
+    n_probs: Option<u32>,
     // ReFusion's own knobs, as on the OpenAI endpoints.
     slot_size: Option<u32>,
     serial_blocks: Option<u32>,
     slot_threshold: Option<f32>,
     token_threshold: Option<f32>,
     strategy: Option<String>,
+    #[serde(flatten)]
+    sampling: Sampling,
 }
 
 impl InfillRequest {
@@ -96,11 +113,11 @@ impl InfillRequest {
     }
 
     fn knobs(&self) -> Result<Knobs, ApiError> {
-        let max_tokens = n_predict(self.n_predict)?;
+        llama_fields::refuse_slot_and_probs(self.id_slot, self.n_probs)?;
         Ok(Knobs {
-            max_tokens,
+            max_tokens: llama_fields::n_predict(self.n_predict)?,
             temperature: self.temperature,
-            seed: self.seed,
+            seed: llama_fields::seed(self.seed)?,
             stop: self.stop.clone(),
             stream: self.stream,
             slot_size: self.slot_size,
@@ -108,21 +125,9 @@ impl InfillRequest {
             slot_threshold: self.slot_threshold,
             token_threshold: self.token_threshold,
             strategy: self.strategy.clone(),
+            sampling: self.sampling.clone(),
             ..Knobs::default()
         })
-    }
-}
-
-/// llama-server's `n_predict` as a token limit: -1 (or none) is the server's default.
-pub(crate) fn n_predict(n: Option<i64>) -> Result<Option<u32>, ApiError> {
-    match n {
-        None | Some(-1) => Ok(None),
-        Some(n) => u32::try_from(n).map(Some).map_err(|_| {
-            ApiError::bad_request(format!(
-                "n_predict must be a number of tokens (0 or more) or -1, not {n}"
-            ))
-            .param("n_predict")
-        }),
     }
 }
 
@@ -134,7 +139,7 @@ pub async fn infill(State(state): State<Arc<AppState>>, body: Bytes) -> Response
 }
 
 async fn infill_inner(state: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let req: InfillRequest = parse(&body)?;
+    let req: InfillRequest = parse_with_knobs(&body)?;
     let before = req.before();
     let knobs = req.knobs()?;
     let fields = req.response_fields.clone();

@@ -21,6 +21,7 @@ mod fill;
 mod infill;
 mod jobs;
 mod llama;
+mod llama_fields;
 mod ollama;
 mod openai;
 mod prepare;

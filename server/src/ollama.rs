@@ -20,7 +20,9 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::api::{parse, refuse_images, refuse_think, ApiError, ChatMessage, Knobs, Stop};
+use super::api::{
+    parse, refuse_images, refuse_think, ApiError, ChatMessage, Knobs, Sampling, Stop,
+};
 use super::fill::{FillSource, FillSpec};
 use super::jobs::{collect, submit};
 use crate::jobs::Msg;
@@ -74,6 +76,13 @@ struct Options {
     /// Most new tokens; -1 (and -2) mean no limit but the context.
     num_predict: Option<i64>,
     stop: Option<Stop>,
+    /// ollama's sampler options (`top_k`, `top_p`, `min_p`, `typical_p`, `repeat_penalty`,
+    /// `presence_penalty`, `frequency_penalty`, `mirostat`) follow the OpenAI endpoints' rule
+    /// ([`Sampling`]): a filter is accepted at temperature 0 (greedy), where it changes
+    /// nothing, and refused by name above it; a penalty is refused at any value but its
+    /// neutral one.
+    #[serde(flatten)]
+    sampling: Sampling,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -195,6 +204,7 @@ impl Options {
             seed: self.seed,
             stop: self.stop.clone(),
             stream,
+            sampling: self.sampling.clone(),
             ..Knobs::default()
         })
     }
