@@ -39,6 +39,18 @@ fn openai_client_tools_and_json_mode() {
     server.client("tools");
 }
 
+/// The trained tiny model does what the demo shows, through the official clients: a tool call
+/// and the answer from the tool's result (openai and ollama), a conversation's second question,
+/// a JSON answer under a schema; each checked for what it says, not only its shape.
+#[test]
+fn demo_model_calls_tools_holds_a_conversation_and_answers_in_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = trained_tiny_gguf(tmp.path(), "q4_k_m");
+    let server = Server::start(&model, &[]);
+    server.client("demo");
+    server.python_client("ollama", "demo");
+}
+
 /// llama-server's `/tokenize`, `/detokenize` and `/props`.
 #[test]
 fn llama_server_utilities() {

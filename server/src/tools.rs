@@ -7,6 +7,7 @@ use axum::http::StatusCode;
 use serde_json::{json, Value as Json};
 
 use crate::api::ApiError;
+use refusion_engine::chat::template::to_python_json;
 use refusion_engine::constrain::tools::{self, Call, Parsed, Tool};
 use refusion_engine::constrain::Format;
 
@@ -151,7 +152,9 @@ pub fn read(answer: &str, cut: bool) -> Result<Parsed, ApiError> {
     })
 }
 
-/// OpenAI's `tool_calls`: ids `call_<request>_<n>`, arguments as a JSON string.
+/// OpenAI's `tool_calls`: ids `call_<request>_<n>`, arguments as a JSON string written as the
+/// chat template writes JSON (`{"a": 1, "b": 2}`), so that a client sending the call back gives
+/// the model the text it was trained on.
 pub fn openai_calls(calls: &[Call], request: &str) -> Json {
     Json::Array(
         calls
@@ -159,7 +162,7 @@ pub fn openai_calls(calls: &[Call], request: &str) -> Json {
             .enumerate()
             .map(|(i, c)| {
                 json!({"index": i, "id": format!("call_{request}_{i}"), "type": "function",
-                       "function": {"name": c.name, "arguments": c.arguments.to_string()}})
+                       "function": {"name": c.name, "arguments": to_python_json(&c.arguments)}})
             })
             .collect(),
     )

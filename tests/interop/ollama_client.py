@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Talks to `refusion serve` with the official `ollama` Python client and plain HTTP.
 
-    ollama_client.py BASE_URL
-Prints OK and exits 0, or raises."""
+    ollama_client.py BASE_URL [demo]
+"demo": the trained tiny model's tool call and the answer from its result. Prints OK and exits 0, or raises."""
 import json
 import sys
 import urllib.error
@@ -12,6 +12,26 @@ import ollama
 
 base = sys.argv[1]
 client = ollama.Client(host=base)
+
+if sys.argv[2:] == ["demo"]:
+    # The trained tiny model's tool call through ollama's client: the call, the tool's result,
+    # the answer from it. The tool as the model was trained with it (train/corpus.py).
+    add = {"type": "function", "function": {
+        "name": "add", "description": "Add two numbers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a", "b"]}}}
+
+    name = client.list().models[0].model
+    msgs = [{"role": "user", "content": "Call add to compute 120 + 345."}]
+    r = client.chat(model=name, messages=msgs, tools=[add], options={"temperature": 0})
+    calls = r.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].function.name == "add", r
+    assert dict(calls[0].function.arguments) == {"a": 120, "b": 345}, calls
+    msgs += [r.message, {"role": "tool", "content": "465", "tool_name": "add"}]
+    r = client.chat(model=name, messages=msgs, tools=[add], options={"temperature": 0})
+    assert r.message.content.endswith("The answer is 465."), r
+    print("OK")
+    sys.exit(0)
 
 # The model list, as Open WebUI reads it.
 tags = client.list()
@@ -23,7 +43,7 @@ assert m.details.quantization_level == "Q8_0", m.details
 assert len(client.ps().models) == 1
 
 messages = [{"role": "user", "content": "Tell me about the sea."}]
-opts = {"temperature": 0, "num_predict": 16, "top_k": 40}  # top_k: ignored, as ollama does
+opts = {"temperature": 0, "num_predict": 16, "top_k": 40}  # top_k: greedy, so it changes nothing
 full = client.chat(model=name, messages=messages, options=opts, stream=False)
 assert full.done and full.done_reason in ("stop", "length"), full
 assert full.message.role == "assistant"

@@ -4,7 +4,9 @@
     openai_client.py BASE_URL MODE
 MODE: "api" (completions, streaming, errors), "load" (8 clients x 25 requests),
 "busy" (a full queue answers 503), "auth" (API key), "llama" (llama-server's /tokenize,
-/detokenize and /props), "tools" (a tool call's round trip, JSON mode with a schema). Prints OK and exits 0, or raises."""
+/detokenize and /props), "tools" (a tool call's round trip, JSON mode with a schema), "demo" (the
+trained tiny model's tool call, conversation and JSON answers, checked for their content). Prints
+OK and exits 0, or raises."""
 import concurrent.futures
 import json
 import sys
@@ -275,5 +277,51 @@ elif mode == "tools":
             c["name"] += d.function.name or ""
             c["arguments"] += d.function.arguments or ""
     assert calls[0]["name"] == "weather" and json.loads(calls[0]["arguments"])["unit"] in ("c", "f"), calls
+
+elif mode == "demo":
+    # The trained tiny model (its corpus's tools: train/corpus.py), as an agent uses it: the
+    # call it chooses, the tool's result given back, the answer from it; a conversation's
+    # second question; a JSON answer under a schema.
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    tools = [{"type": "function", "function": {
+        "name": "weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+        {"type": "function", "function": {
+            "name": "add", "description": "Add two numbers",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "required": ["a", "b"]}}}]
+    msgs = [{"role": "user", "content": "Call add to compute 120 + 345."}]
+    r = client.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=64)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", r
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 120, "b": 345}, call
+    msgs.append(choice.message.model_dump(exclude_none=True))
+    msgs.append({"role": "tool", "tool_call_id": call.id, "content": "465"})
+    r = client.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=64)
+    assert r.choices[0].finish_reason == "stop", r
+    assert r.choices[0].message.content.endswith("The answer is 465."), r
+    # The weather tool's result, as a tool would give it, read into the answer.
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+                "name": "weather", "arguments": json.dumps({"city": "Paris"})}}]},
+            {"role": "tool", "tool_call_id": "call_0",
+             "content": json.dumps({"city": "Paris", "degrees": 21, "sky": "sunny"})}]
+    r = client.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=64)
+    assert r.choices[0].message.content.endswith("The answer is 21."), r
+    chat = [{"role": "user", "content": "What is 47 + 38?"}]
+    r = client.chat.completions.create(model="m", messages=chat, max_tokens=128)
+    first = r.choices[0].message.content
+    assert first.endswith("The answer is 85."), first
+    chat += [{"role": "assistant", "content": first},
+             {"role": "user", "content": "Mia has 12 apples and gets 7 more. How many apples does Mia have now?"}]
+    r = client.chat.completions.create(model="m", messages=chat, max_tokens=128)
+    assert r.choices[0].message.content.endswith("The answer is 19."), r
+    schema = {"type": "object", "properties": {"answer": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["answer"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Reverse the list [12, 7, 30, 5]. Answer in JSON."}],
+        max_tokens=64, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert json.loads(r.choices[0].message.content) == {"answer": [5, 30, 7, 12]}, r
 
 print("OK")

@@ -63,6 +63,14 @@ pub struct ChatTemplate {
     env: Environment<'static>,
 }
 
+/// `v` as Python's `json.dumps(v, ensure_ascii=False)` writes it: how the chat template's
+/// `tojson` writes a value, so how a model trained on its prompts has seen it.
+pub fn to_python_json(v: &serde_json::Value) -> String {
+    let mut out = String::new();
+    python_json(v, None, 0, &mut out);
+    out
+}
+
 /// Python's `json.dumps(x, ensure_ascii=False)` (separators ", " and ": ", or with `indent`).
 fn python_json(v: &serde_json::Value, indent: Option<usize>, level: usize, out: &mut String) {
     use serde_json::Value as J;

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""JSON answers three ways, on the tiny ReFusion's held-out JSON questions
+(benches/README.md#structured-output-left-to-right-or-a-skeleton).
+
+    python3 benches/structured_quality.py --refusion target/release/refusion \
+        -m refusion-demo/refusion-tiny-Q4_K_M.gguf
+
+No dependencies beyond the standard library and train/corpus.py. Each held-out JSON question
+("What is 23 + 16? Answer in JSON.", trained to answer `{"answer": 39}`) goes to `refusion serve`'s `/v1/chat/completions`:
+- `free`: no constraint, slot decoding (the model's own JSON);
+- `schema`: `response_format` json_schema (`{"answer": integer}`, or an array of integers
+  for the list questions), which decodes left to right with every token masked by the grammar;
+- `skeleton`: the schema's fixed text as known spans and the value as a gap
+  (`{"answer": {{gap}}}` with `"infill": true`), decoded by slots in any order, unconstrained.
+Each answer is judged as the client gets it: valid (the text parses and the schema holds),
+right (and `answer` is the worked one); with the forwards, tokens per forward and decode time
+the server reports (`timings`). Prints one JSON object.
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "train"))
+import corpus  # noqa: E402
+
+
+def post(base, body):
+    req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return {"error": json.loads(e.read())}
+
+
+def schema_for(want):
+    value = {"type": "array", "items": {"type": "integer"}} if isinstance(want, list) else {"type": "integer"}
+    return {"type": "object", "properties": {"answer": value}, "required": ["answer"],
+            "additionalProperties": False}
+
+
+def holds(value, want):
+    """The schema's check: an object with exactly `answer`, of the worked answer's type."""
+    if not isinstance(value, dict) or set(value) != {"answer"}:
+        return False
+    v = value["answer"]
+    if isinstance(want, list):
+        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def ask(base, h, way):
+    want = json.loads(h["response"])["answer"]
+    body = {"messages": list(h["messages"]), "max_tokens": 64}
+    if way == "schema":
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "answer", "schema": schema_for(want)}}
+    elif way == "skeleton":
+        body["messages"].append({"role": "assistant", "content": '{"answer": {{gap}}}'})
+        body["infill"] = True
+    got = post(base, body)
+    if "error" in got:
+        return {"valid": False, "right": False, "error": got["error"]}
+    text = got["choices"][0]["message"].get("content") or ""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    valid = holds(value, want)
+    t = got.get("timings", {})
+    return {"valid": valid, "right": valid and value["answer"] == want, "text": text,
+            "tokens": t.get("predicted_n", 0), "forwards": t.get("forward_calls", 0),
+            "ms": t.get("predicted_ms", 0.0)}
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--refusion", default=os.path.join(ROOT, "target/release/refusion"))
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--chats", default=os.path.join(ROOT, "models/refusion-tiny/heldout_chats.json"))
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    a = ap.parse_args()
+    held = [h for h in json.load(open(a.chats)) if h["kind"] == "json"]
+    port = free_port()
+    server = subprocess.Popen([a.refusion, "serve", "-m", a.model, "--port", str(port), "-t", str(a.threads)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    ways = ["free", "schema", "skeleton"]
+    out = {w: {"valid": 0, "right": 0, "tokens": 0, "forwards": 0, "ms": 0.0, "wrong": []} for w in ways}
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(base + "/health", timeout=1)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.1)
+        for h in held:
+            for w in ways:
+                r = ask(base, h, w)
+                o = out[w]
+                o["valid"] += r["valid"]
+                o["right"] += r["right"]
+                for k in ("tokens", "forwards", "ms"):
+                    o[k] += r.get(k, 0)
+                if not r["right"] and len(o["wrong"]) < 5:
+                    o["wrong"].append({"question": h["question"], "got": r.get("text", r.get("error"))})
+    finally:
+        server.terminate()
+        server.wait()
+    n = len(held)
+    table = {w: {"valid": f"{o['valid']}/{n}", "right": f"{o['right']}/{n}",
+                 "tpf": round(o["tokens"] / max(1, o["forwards"]), 2),
+                 "forwards_per_answer": round(o["forwards"] / max(1, n), 2),
+                 "ms_per_answer": round(o["ms"] / max(1, n), 1), "wrong": o["wrong"]}
+             for w, o in out.items()}
+    print(json.dumps({"model": a.model, "questions": n, "ways": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
