@@ -175,7 +175,7 @@ fn completion_apply_template_slots_and_refusals() {
             json!({"temperature": 0.5, "top_k": 0, "top_p": 1.0}),
             "samplers",
         ),
-        (json!({"temperature": 0.5, "samplers": []}), "top_k"),
+        (json!({"temperature": 0.5, "samplers": []}), "top_p"),
         (json!({"samplers": ["top_k", "mystery"]}), "samplers"),
         (json!({"repeat_penalty": 1.3}), "repeat_penalty"),
         (json!({"n_probs": 3}), "n_probs"),
