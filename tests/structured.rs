@@ -186,7 +186,8 @@ fn required_tool_calls_are_written_and_read_on_both_apis() {
             _ => assert!(args["a"].is_boolean(), "{args}"),
         }
     }
-    // Streamed: text deltas hold nothing of the call; the call comes with the finish.
+    // Streamed: text deltas hold nothing of the call; the call goes out as OpenAI streams one
+    // (its name, then its arguments in pieces), and the finish says tool_calls.
     let body = chat(
         json!({"tools": weather(), "tool_choice": "required", "parallel_tool_calls": false,
                            "stream": true}),
@@ -194,14 +195,30 @@ fn required_tool_calls_are_written_and_read_on_both_apis() {
     let (status, text) = server.post("/v1/chat/completions", &body);
     assert_eq!(status, 200, "{text}");
     assert!(!text.contains("<tool_call>"), "{text}");
-    let finish: Vec<Value> = text
+    let chunks: Vec<Value> = text
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter(|v| v["choices"][0]["finish_reason"] == "tool_calls")
         .collect();
-    assert_eq!(finish.len(), 1, "{text}");
-    assert!(finish[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"].is_string());
+    let finish = chunks
+        .iter()
+        .filter(|v| v["choices"][0]["finish_reason"] == "tool_calls")
+        .count();
+    assert_eq!(finish, 1, "{text}");
+    let (mut name, mut arguments) = (String::new(), String::new());
+    for d in chunks.iter().flat_map(|v| {
+        v["choices"][0]["delta"]["tool_calls"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }) {
+        assert_eq!(d["index"], 0, "{text}");
+        name += d["function"]["name"].as_str().unwrap_or("");
+        arguments += d["function"]["arguments"].as_str().unwrap_or("");
+    }
+    assert_eq!(name, "weather", "{text}");
+    let args: Value = serde_json::from_str(&arguments).unwrap();
+    assert!(args["unit"] == "c" || args["unit"] == "f", "{args}");
     // The call and the tool's answer go back in (rendered by the template).
     let body = json!({"messages": [
         {"role": "user", "content": "What is the weather in Oslo?"},

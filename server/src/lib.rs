@@ -29,6 +29,7 @@ mod queue;
 mod shutdown;
 mod signals;
 mod stop;
+mod tool_stream;
 mod tools;
 mod webui;
 pub mod worker;

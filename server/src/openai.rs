@@ -18,6 +18,7 @@ use super::fill::{stitch, FillSource, FillSpec};
 use super::jobs::{collect, enqueue, now, started, submit, usage, UsageTail};
 use crate::jobs::Msg;
 use crate::prepare::JobInput;
+use crate::tool_stream::{self, CallStream};
 use crate::tools;
 use crate::AppState;
 use refusion_engine::decode::TextPiece;
@@ -100,7 +101,7 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
             if !parsed.calls.is_empty() {
                 let content = Some(parsed.content).filter(|c| !c.is_empty());
                 choice["message"] = json!({"role": "assistant", "content": content,
-                                           "tool_calls": tools::openai_calls(&parsed.calls, &n)});
+                                           "tool_calls": tools::openai_calls(parsed.calls.iter().enumerate(), &n)});
                 choice["finish_reason"] = json!("tool_calls");
             }
         }
@@ -119,17 +120,18 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
     };
     let first = SseEvent::default().data(chunk(json!({"role": "assistant", "content": ""}), None));
     let mut tail = UsageTail::new(include_usage);
-    let mut watch = plan.read_calls.then(tools::CallWatch::default);
+    let mut watch = plan.read_calls.then(CallStream::default);
     let events = UnboundedReceiverStream::new(rx).filter_map(move |msg| {
         let _keep = &guard;
         match msg {
             Msg::Delta(d) => {
-                let d = match watch.as_mut() {
-                    Some(w) => w.push(&d),
-                    None => d,
+                let delta = match watch.as_mut() {
+                    // Text, and calls as they are written (OpenAI's tool_calls deltas).
+                    Some(w) => tool_stream::delta(&w.push(&d), &n)?,
+                    None if d.is_empty() => return None,
+                    None => json!({ "content": d }),
                 };
-                (!d.is_empty())
-                    .then(|| SseEvent::default().data(chunk(json!({"content": d}), None)))
+                Some(SseEvent::default().data(chunk(delta, None)))
             }
             Msg::Fill { gap, text } => {
                 Some(SseEvent::default().data(chunk(json!({"content": text, "gap": gap}), None)))
@@ -142,18 +144,24 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
             } => {
                 let mut v: serde_json::Value =
                     serde_json::from_str(&chunk(json!({}), Some(finish_reason))).ok()?;
-                // The calls (or the text held back for nothing) go out with the finish.
+                // What is still held back (text that only looked like a call, a call written
+                // in another shape) goes out with the finish.
                 if let Some(w) = &watch {
                     match w.finish(finish_reason == "length") {
-                        Ok((_, calls)) if !calls.is_empty() => {
-                            v["choices"][0]["delta"] =
-                                json!({"tool_calls": tools::openai_calls(&calls, &n)});
-                            v["choices"][0]["finish_reason"] = json!("tool_calls");
+                        Ok((rest, left)) => {
+                            let mut delta = serde_json::Map::new();
+                            if !rest.is_empty() {
+                                delta.insert("content".into(), json!(rest));
+                            }
+                            if !left.is_empty() {
+                                let calls = left.iter().map(|(i, c)| (*i, c));
+                                delta.insert("tool_calls".into(), tools::openai_calls(calls, &n));
+                            }
+                            if w.called() || !left.is_empty() {
+                                v["choices"][0]["finish_reason"] = json!("tool_calls");
+                            }
+                            v["choices"][0]["delta"] = serde_json::Value::Object(delta);
                         }
-                        Ok((rest, _)) if !rest.is_empty() => {
-                            v["choices"][0]["delta"] = json!({"content": rest});
-                        }
-                        Ok(_) => {}
                         Err(e) => return Some(SseEvent::default().data(e.body().to_string())),
                     }
                 }

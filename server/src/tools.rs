@@ -155,11 +155,10 @@ pub fn read(answer: &str, cut: bool) -> Result<Parsed, ApiError> {
 /// OpenAI's `tool_calls`: ids `call_<request>_<n>`, arguments as a JSON string written as the
 /// chat template writes JSON (`{"a": 1, "b": 2}`), so that a client sending the call back gives
 /// the model the text it was trained on.
-pub fn openai_calls(calls: &[Call], request: &str) -> Json {
+pub fn openai_calls<'a>(calls: impl IntoIterator<Item = (usize, &'a Call)>, request: &str) -> Json {
     Json::Array(
         calls
-            .iter()
-            .enumerate()
+            .into_iter()
             .map(|(i, c)| {
                 json!({"index": i, "id": format!("call_{request}_{i}"), "type": "function",
                        "function": {"name": c.name, "arguments": to_python_json(&c.arguments)}})
@@ -178,8 +177,9 @@ pub fn ollama_calls(calls: &[Call]) -> Json {
     )
 }
 
-/// A streamed answer watched for tool calls: its text goes out until a call may begin; from
-/// there it is held back, and the calls are read at the end.
+/// A streamed answer watched for tool calls, as ollama streams them: its text goes out until a
+/// call may begin; from there it is held back, and the calls go out whole at the end (OpenAI's
+/// stream sends them as they are written: [`crate::tool_stream`]).
 #[derive(Debug, Default)]
 pub struct CallWatch {
     all: String,

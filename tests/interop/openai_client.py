@@ -301,6 +301,21 @@ elif mode == "demo":
     r = client.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=64)
     assert r.choices[0].finish_reason == "stop", r
     assert r.choices[0].message.content.endswith("The answer is 465."), r
+    # Streamed, the call goes out as it is committed (its name first, then its arguments, in
+    # as many chunks as the decode commits them: tested piece by piece in tool_stream.rs).
+    calls, chunks = {}, 0
+    for chunk in client.chat.completions.create(model="m", messages=msgs[:1], tools=tools, stream=True,
+                                                max_tokens=64):
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            chunks += 1
+            c = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+            c["id"] += d.id or ""
+            c["name"] += d.function.name or ""
+            c["arguments"] += d.function.arguments or ""
+        if chunk.choices and chunk.choices[0].finish_reason:
+            assert chunk.choices[0].finish_reason == "tool_calls", chunk
+    assert list(calls) == [0] and calls[0]["name"] == "add" and calls[0]["id"], calls
+    assert json.loads(calls[0]["arguments"]) == {"a": 120, "b": 345} and chunks >= 1, (calls, chunks)
     # The weather tool's result, as a tool would give it, read into the answer.
     msgs = [{"role": "user", "content": "What is the weather in Paris?"},
             {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
