@@ -125,7 +125,8 @@ fn completion_apply_template_slots_and_refusals() {
     };
     let (status, _) = server.post(
         "/v1/chat/completions",
-        chat(json!({"top_p": 0.5, "top_k": 40, "presence_penalty": 0.0, "logit_bias": {}})),
+        chat(json!({"top_p": 0.5, "top_k": 40, "presence_penalty": 0.0, "logit_bias": {},
+                    "reasoning_effort": "none", "user": "u1", "store": false, "metadata": {"a": "b"}})),
     );
     assert_eq!(status, 200);
     // A penalty or a bias changes greedy answers too: refused at any temperature.
@@ -137,6 +138,12 @@ fn completion_apply_template_slots_and_refusals() {
         (json!({"modalities": ["text", "audio"]}), "modalities"),
         (json!({"top_p": "x"}), "top_p"),
         (json!({"ignore_eos": true}), "ignore_eos"),
+        (json!({"reasoning_effort": "high"}), "reasoning_effort"),
+        (json!({"verbosity": "low"}), "verbosity"),
+        (
+            json!({"web_search_options": {"search_context_size": "low"}}),
+            "web_search_options",
+        ),
     ] {
         let (status, text) = server.post("/v1/chat/completions", chat(extra));
         assert_eq!(status, 400, "{text}");

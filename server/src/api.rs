@@ -264,6 +264,11 @@ pub struct Sampling {
     pub audio: Option<Json>,
     pub modalities: Option<Json>,
     pub prediction: Option<Json>,
+    /// OpenAI's reasoning and tool-side options, which would change the answer: refused when
+    /// given (ReFusion writes its answer without a reasoning phase, and searches nothing).
+    pub reasoning_effort: Option<Json>,
+    pub verbosity: Option<Json>,
+    pub web_search_options: Option<Json>,
     /// llama-server's sampler chain by name (`["top_k", "top_p", "infill"]`, as llama.vim and
     /// llama.vscode send it): at temperature 0 no sampler acts; above it, a chain naming a
     /// filter or penalty is refused as the filters are.
@@ -352,6 +357,25 @@ impl Sampling {
                 "prediction",
                 "predicted outputs are not used by slot decoding",
             );
+        }
+        match &self.reasoning_effort {
+            None | Some(Json::Null) => {}
+            Some(Json::String(e)) if e == "none" => {}
+            Some(_) => {
+                return refuse(
+                    "reasoning_effort",
+                    "ReFusion answers without a reasoning phase (send \"none\" or leave it out)",
+                )
+            }
+        }
+        if given(&self.verbosity) {
+            return refuse(
+                "verbosity",
+                "the answer's length is max_tokens and the model's own",
+            );
+        }
+        if given(&self.web_search_options) {
+            return refuse("web_search_options", "refusion searches nothing");
         }
         self.check_samplers(temperature)
     }
