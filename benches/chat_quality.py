@@ -14,10 +14,13 @@ client gets:
   expected call (name and arguments); then with `tool_choice: "required"`;
 - an answer after the tool's result: the exact answer;
 - a JSON answer with `response_format` `json_object`: the text parses and `answer` is right.
-Prints one JSON object: accuracy by kind, and the answers that were wrong.
+Prints one JSON object: accuracy by kind; `whole_answer_counts`, stricter, where the answer is
+text: the whole answer is the worked one character for character (a conversation's last
+answer, an answer from a tool's result, a JSON answer's text); and the answers that were wrong.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -94,6 +97,26 @@ def free_port():
     return port
 
 
+@contextlib.contextmanager
+def serving(refusion, model, threads):
+    """`refusion serve -m MODEL` on a free port until the block ends: its base URL."""
+    port = free_port()
+    server = subprocess.Popen([refusion, "serve", "-m", model, "--port", str(port), "-t", str(threads)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(base + "/health", timeout=1)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.1)
+        yield base
+    finally:
+        server.terminate()
+        server.wait()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--refusion", default=os.path.join(ROOT, "target/release/refusion"))
@@ -110,35 +133,27 @@ def main():
         held = json.load(open(default))
     else:
         held = corpus.split_dialogues(20261201)
-    port = free_port()
-    server = subprocess.Popen([a.refusion, "serve", "-m", a.model, "--port", str(port), "-t", str(a.threads)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(base + "/health", timeout=1)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.1)
-        by_kind, wrong = {}, []
+    by_kind, whole, wrong = {}, {}, []
+    with serving(a.refusion, a.model, a.threads) as base:
         for h in held:
             kind, right, got = judge(base, h)
             k = by_kind.setdefault(kind.split(":")[0], [0, 0])
             k[0] += right
             k[1] += 1
+            if isinstance(got, str):
+                # Stricter: the whole answer is the worked one, character for character.
+                w = whole.setdefault(kind.split(":")[0], [0, 0])
+                w[0] += got.strip() == h["response"].strip()
+                w[1] += 1
             if not right:
                 wrong.append({"kind": kind, "question": h["question"], "got": got})
             if kind == "tool_call":
                 k = by_kind.setdefault("tool_call_required", [0, 0])
                 k[0] += required(base, h)
                 k[1] += 1
-    finally:
-        server.terminate()
-        server.wait()
     print(json.dumps({"model": a.model, "chats": len(held),
                       "accuracy": {k: round(v[0] / v[1], 3) for k, v in by_kind.items()},
-                      "counts": by_kind, "wrong": wrong[:20]}, indent=1))
+                      "counts": by_kind, "whole_answer_counts": whole, "wrong": wrong[:20]}, indent=1))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
     python3 benches/structured_quality.py --refusion target/release/refusion \
         -m refusion-demo/refusion-tiny-Q4_K_M.gguf
 
-No dependencies beyond the standard library and train/corpus.py. Each held-out JSON question
+No dependencies beyond the standard library (and chat_quality.py's server helpers). Each held-out JSON question
 ("What is 23 + 16? Answer in JSON.", trained to answer `{"answer": 39}`) goes to `refusion serve`'s `/v1/chat/completions`:
 - `free`: no constraint, slot decoding (the model's own JSON);
 - `schema`: `response_format` json_schema (`{"answer": integer}`, or an array of integers
@@ -20,26 +20,8 @@ the server reports (`timings`). Prints one JSON object.
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.join(ROOT, "train"))
-import corpus  # noqa: E402
-
-
-def post(base, body):
-    req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return {"error": json.loads(e.read())}
+from chat_quality import ROOT, post, serving
 
 
 def schema_for(want):
@@ -82,14 +64,6 @@ def ask(base, h, way):
             "ms": t.get("predicted_ms", 0.0)}
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--refusion", default=os.path.join(ROOT, "target/release/refusion"))
@@ -98,19 +72,9 @@ def main():
     ap.add_argument("-t", "--threads", type=int, default=2)
     a = ap.parse_args()
     held = [h for h in json.load(open(a.chats)) if h["kind"] == "json"]
-    port = free_port()
-    server = subprocess.Popen([a.refusion, "serve", "-m", a.model, "--port", str(port), "-t", str(a.threads)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
     ways = ["free", "schema", "skeleton"]
     out = {w: {"valid": 0, "right": 0, "tokens": 0, "forwards": 0, "ms": 0.0, "wrong": []} for w in ways}
-    try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(base + "/health", timeout=1)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.1)
+    with serving(a.refusion, a.model, a.threads) as base:
         for h in held:
             for w in ways:
                 r = ask(base, h, w)
@@ -121,9 +85,6 @@ def main():
                     o[k] += r.get(k, 0)
                 if not r["right"] and len(o["wrong"]) < 5:
                     o["wrong"].append({"question": h["question"], "got": r.get("text", r.get("error"))})
-    finally:
-        server.terminate()
-        server.wait()
     n = len(held)
     table = {w: {"valid": f"{o['valid']}/{n}", "right": f"{o['right']}/{n}",
                  "tpf": round(o["tokens"] / max(1, o["forwards"]), 2),
