@@ -109,6 +109,7 @@ fn completion_apply_template_slots_and_refusals() {
             "min_p",
         ),
         (json!({"prompt": "a", "top_k": "many"}), "top_k"),
+        (json!({"prompt": "a", "id_slot": "first"}), "id_slot"),
     ] {
         let (status, text) = server.post("/completion", &body);
         assert_eq!(status, 400, "{body}: {text}");

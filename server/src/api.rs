@@ -559,17 +559,41 @@ pub struct CompletionRequest {
 /// Parses a JSON body, turning every problem into a 400 that says what is wrong in plain
 /// words, naming the field (`max_tokens must be an integer`) and setting `param` to it.
 pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    parse_inner(body, false)
+    parse_inner(body, &[])
 }
 
 /// [`parse`] for the OpenAI requests, whose [`Knobs`] are flattened into them.
 pub fn parse_with_knobs<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    parse_inner(body, true)
+    parse_inner(body, &[probe::<Knobs>, probe::<Sampling>])
 }
 
-fn parse_inner<T: serde::de::DeserializeOwned>(body: &[u8], knobs: bool) -> Result<T, ApiError> {
+/// [`parse`] for llama-server's `/completion` and `/infill`, whose shared fields
+/// ([`crate::llama_fields::LlamaFields`]) are flattened into them.
+pub(crate) fn parse_llama<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    parse_inner(
+        body,
+        &[probe::<crate::llama_fields::LlamaFields>, probe::<Sampling>],
+    )
+}
+
+/// serde loses the path inside `#[serde(flatten)]`: a flattened part read on its own finds
+/// the field (its path and error), when the mistake is in it.
+type Probe = fn(&[u8]) -> Option<(String, serde_json::Error)>;
+
+fn probe<U: serde::de::DeserializeOwned>(body: &[u8]) -> Option<(String, serde_json::Error)> {
     let de = &mut serde_json::Deserializer::from_slice(body);
-    let value = deserialize_inner(de, body, knobs)?;
+    match serde_path_to_error::deserialize::<_, U>(de) {
+        Err(e) if e.path().to_string() != "." => Some((e.path().to_string(), e.into_inner())),
+        _ => None,
+    }
+}
+
+fn parse_inner<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    probes: &[Probe],
+) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    let value = deserialize_inner(de, body, probes)?;
     // One JSON value and nothing after it but whitespace: `{...}{...}` or `{...}xx` is not a
     // request to guess at.
     de.end().map_err(|e| {
@@ -583,25 +607,15 @@ fn parse_inner<T: serde::de::DeserializeOwned>(body: &[u8], knobs: bool) -> Resu
 fn deserialize_inner<T: serde::de::DeserializeOwned>(
     de: &mut serde_json::Deserializer<serde_json::de::SliceRead<'_>>,
     body: &[u8],
-    knobs: bool,
+    probes: &[Probe],
 ) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(de).map_err(|e| {
         let (mut path, mut inner) = (e.path().to_string(), e.into_inner());
-        if knobs && path == "." && !(inner.is_syntax() || inner.is_eof()) {
-            // serde loses the path inside `#[serde(flatten)]`: the shared knobs are read on
-            // their own to find the field.
-            let de = &mut serde_json::Deserializer::from_slice(body);
-            if let Err(e) = serde_path_to_error::deserialize::<_, Knobs>(de) {
-                if e.path().to_string() != "." {
-                    (path, inner) = (e.path().to_string(), e.into_inner());
-                }
-            }
-            // The sampler fields are flattened once more, inside the knobs.
-            let de = &mut serde_json::Deserializer::from_slice(body);
-            if let Err(e) = serde_path_to_error::deserialize::<_, Sampling>(de) {
-                if path == "." && e.path().to_string() != "." {
-                    (path, inner) = (e.path().to_string(), e.into_inner());
-                }
+        if path == "." && !(inner.is_syntax() || inner.is_eof()) {
+            // The first flattened part that names the field (the sampler fields are
+            // flattened once more, inside the others, so they come last).
+            if let Some(found) = probes.iter().find_map(|p| p(body)) {
+                (path, inner) = found;
             }
         }
         if inner.is_syntax() || inner.is_eof() {

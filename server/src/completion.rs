@@ -21,11 +21,9 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::api::{
-    parse, parse_with_knobs, ApiError, ChatMessage, Knobs, PromptField, Sampling, Stop,
-};
+use super::api::{parse, parse_llama, ApiError, ChatMessage, Knobs, PromptField};
 use super::jobs::{collect, submit};
-use super::llama_fields;
+use super::llama_fields::LlamaFields;
 use crate::jobs::Msg;
 use crate::prepare::JobInput;
 use crate::AppState;
@@ -33,40 +31,16 @@ use crate::AppState;
 #[derive(Debug, Deserialize)]
 struct CompletionRequest {
     prompt: PromptField,
-    /// Most new tokens; -1: the server's default.
-    n_predict: Option<i64>,
-    #[serde(default)]
-    stream: bool,
-    temperature: Option<f64>,
-    /// -1: a random seed.
-    seed: Option<i64>,
-    stop: Option<Stop>,
     json_schema: Option<Value>,
     grammar: Option<String>,
-    /// Prompts are cached anyway (shared prefixes).
-    #[serde(rename = "cache_prompt")]
-    _cache_prompt: Option<bool>,
-    /// -1: any slot; a given slot cannot be pinned.
-    id_slot: Option<i64>,
-    /// Log-probabilities of the top tokens: refused above 0.
-    n_probs: Option<u32>,
     /// The answer's token ids: refused (the answer is text).
     return_tokens: Option<bool>,
-    /// The fields to answer with (`timings/predicted_n`: a nested one, keyed by its path).
-    response_fields: Option<Vec<String>>,
-    // ReFusion's own knobs, as on the OpenAI endpoints.
-    slot_size: Option<u32>,
-    serial_blocks: Option<u32>,
-    slot_threshold: Option<f32>,
-    token_threshold: Option<f32>,
-    strategy: Option<String>,
     #[serde(flatten)]
-    sampling: Sampling,
+    llama: LlamaFields,
 }
 
 impl CompletionRequest {
     fn knobs(&self) -> Result<Knobs, ApiError> {
-        llama_fields::refuse_slot_and_probs(self.id_slot, self.n_probs)?;
         if self.return_tokens == Some(true) {
             return Err(ApiError::bad_request(
                 "return_tokens is not supported: the answer is its text (POST /tokenize gives its ids)",
@@ -74,20 +48,9 @@ impl CompletionRequest {
             .param("return_tokens"));
         }
         Ok(Knobs {
-            max_tokens: llama_fields::n_predict(self.n_predict)?,
-            temperature: self.temperature,
-            seed: llama_fields::seed(self.seed)?,
-            stop: self.stop.clone(),
-            stream: self.stream,
-            slot_size: self.slot_size,
-            serial_blocks: self.serial_blocks,
-            slot_threshold: self.slot_threshold,
-            token_threshold: self.token_threshold,
-            strategy: self.strategy.clone(),
             json_schema: self.json_schema.clone(),
             grammar: self.grammar.clone(),
-            sampling: self.sampling.clone(),
-            ..Knobs::default()
+            ..self.llama.knobs()?
         })
     }
 }
@@ -100,7 +63,7 @@ pub async fn completion(State(state): State<Arc<AppState>>, body: Bytes) -> Resp
 }
 
 async fn completion_inner(state: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse_with_knobs(&body)?;
+    let req: CompletionRequest = parse_llama(&body)?;
     let knobs = req.knobs()?;
     let input = match &req.prompt {
         PromptField::One(s) => JobInput::Text(s.clone()),
@@ -114,7 +77,7 @@ async fn completion_inner(state: Arc<AppState>, body: Bytes) -> Result<Response,
             .param("prompt"))
         }
     };
-    let fields = req.response_fields.clone();
+    let fields = req.llama.response_fields.clone();
     let (rx, guard, prompt_tokens) = submit(&state, input, knobs, None).await?;
     let model = state.model.clone();
     let last = move |reason: &str, predicted: usize, evaluated: usize| -> Value {
@@ -125,7 +88,7 @@ async fn completion_inner(state: Arc<AppState>, body: Bytes) -> Result<Response,
             "truncated": false,
         })
     };
-    if !req.stream {
+    if !req.llama.stream {
         let got = collect(rx).await?;
         drop(guard);
         let mut v = last(got.finish_reason, got.completion_tokens, got.prompt_tokens);

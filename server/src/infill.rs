@@ -29,10 +29,10 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::api::{parse_with_knobs, ApiError, Knobs, Sampling, Stop};
+use super::api::{parse_llama, ApiError};
 use super::fill::{FillSource, FillSpec};
 use super::jobs::{collect, submit};
-use super::llama_fields;
+use super::llama_fields::LlamaFields;
 use crate::jobs::Msg;
 use crate::prepare::JobInput;
 use crate::AppState;
@@ -57,39 +57,16 @@ struct InfillRequest {
     /// The middle's beginning, already written (llama-server: after `<FIM_MID>`).
     #[serde(default)]
     prompt: String,
-    /// Most tokens in the middle; -1: the server's default; 0: no middle (context only).
-    n_predict: Option<i64>,
     /// The middle ends before its first later line indented less than this (in bytes of
     /// leading whitespace).
     n_indent: Option<u32>,
     /// The most milliseconds the generation may take (0: no limit).
     t_max_predict_ms: Option<u64>,
-    /// The fields to answer with (`timings/predicted_n`: a nested one, keyed by its path).
-    response_fields: Option<Vec<String>>,
-    #[serde(default)]
-    stream: bool,
-    temperature: Option<f64>,
-    /// -1: a random seed.
-    seed: Option<i64>,
-    stop: Option<Stop>,
-    /// Prompts are cached anyway (shared prefixes).
-    #[serde(rename = "cache_prompt")]
-    _cache_prompt: Option<bool>,
     /// llama-server reads it and does not act on it ("TODO: implement"); so here.
     #[serde(rename = "t_max_prompt_ms")]
     _t_max_prompt_ms: Option<i64>,
-    /// -1: any slot; a given slot cannot be pinned.
-    id_slot: Option<i64>,
-    /// Probabilities of the top tokens: refused above 0.
-    n_probs: Option<u32>,
-    // ReFusion's own knobs, as on the OpenAI endpoints.
-    slot_size: Option<u32>,
-    serial_blocks: Option<u32>,
-    slot_threshold: Option<f32>,
-    token_threshold: Option<f32>,
-    strategy: Option<String>,
     #[serde(flatten)]
-    sampling: Sampling,
+    llama: LlamaFields,
 }
 
 impl InfillRequest {
@@ -111,24 +88,6 @@ impl InfillRequest {
         s.push_str(&self.prompt);
         s
     }
-
-    fn knobs(&self) -> Result<Knobs, ApiError> {
-        llama_fields::refuse_slot_and_probs(self.id_slot, self.n_probs)?;
-        Ok(Knobs {
-            max_tokens: llama_fields::n_predict(self.n_predict)?,
-            temperature: self.temperature,
-            seed: llama_fields::seed(self.seed)?,
-            stop: self.stop.clone(),
-            stream: self.stream,
-            slot_size: self.slot_size,
-            serial_blocks: self.serial_blocks,
-            slot_threshold: self.slot_threshold,
-            token_threshold: self.token_threshold,
-            strategy: self.strategy.clone(),
-            sampling: self.sampling.clone(),
-            ..Knobs::default()
-        })
-    }
 }
 
 pub async fn infill(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -139,10 +98,10 @@ pub async fn infill(State(state): State<Arc<AppState>>, body: Bytes) -> Response
 }
 
 async fn infill_inner(state: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let req: InfillRequest = parse_with_knobs(&body)?;
+    let req: InfillRequest = parse_llama(&body)?;
     let before = req.before();
-    let knobs = req.knobs()?;
-    let fields = req.response_fields.clone();
+    let knobs = req.llama.knobs()?;
+    let fields = req.llama.response_fields.clone();
     if knobs.max_tokens == Some(0) {
         // Context only (llama.vim sends its ring of chunks so): nothing to generate.
         let v = json!({"content": "", "stop": true, "model": state.model, "stop_type": "limit",
@@ -170,7 +129,7 @@ async fn infill_inner(state: Arc<AppState>, body: Bytes) -> Result<Response, Api
         .t_max_predict_ms
         .filter(|&ms| ms > 0)
         .map(std::time::Duration::from_millis);
-    if !req.stream {
+    if !req.llama.stream {
         let got = match limit {
             Some(limit) => match tokio::time::timeout(limit, collect(rx)).await {
                 Ok(got) => got?,

@@ -2,10 +2,65 @@
 //! `/infill`): `n_predict` and `seed` with -1 for "the default", and the slot and probability
 //! fields, accepted at their values that change nothing and refused by name otherwise.
 
-use super::api::ApiError;
+use serde::Deserialize;
+
+use super::api::{ApiError, Knobs, Sampling, Stop};
+
+/// The fields `/completion` and `/infill` share, flattened into each request
+/// ([`crate::api::parse_llama`] names a mistyped one).
+#[derive(Debug, Deserialize)]
+pub(crate) struct LlamaFields {
+    /// Most new tokens; -1: the server's default.
+    pub n_predict: Option<i64>,
+    #[serde(default)]
+    pub stream: bool,
+    pub temperature: Option<f64>,
+    /// -1: a random seed.
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    /// Prompts are cached anyway (shared prefixes).
+    #[serde(rename = "cache_prompt")]
+    _cache_prompt: Option<bool>,
+    /// -1: any slot; a given slot cannot be pinned.
+    id_slot: Option<i64>,
+    /// Probabilities of the top tokens: refused above 0.
+    n_probs: Option<u32>,
+    /// The fields to answer with (`timings/predicted_n`: a nested one, keyed by its path).
+    pub response_fields: Option<Vec<String>>,
+    // ReFusion's own knobs, as on the OpenAI endpoints.
+    slot_size: Option<u32>,
+    serial_blocks: Option<u32>,
+    slot_threshold: Option<f32>,
+    token_threshold: Option<f32>,
+    strategy: Option<String>,
+    #[serde(flatten)]
+    sampling: Sampling,
+}
+
+impl LlamaFields {
+    /// As the OpenAI endpoints' knobs, checked the same way; a pinned slot or token
+    /// probabilities are refused here.
+    pub fn knobs(&self) -> Result<Knobs, ApiError> {
+        refuse_slot_and_probs(self.id_slot, self.n_probs)?;
+        Ok(Knobs {
+            max_tokens: n_predict(self.n_predict)?,
+            temperature: self.temperature,
+            seed: seed(self.seed)?,
+            stop: self.stop.clone(),
+            stream: self.stream,
+            slot_size: self.slot_size,
+            serial_blocks: self.serial_blocks,
+            slot_threshold: self.slot_threshold,
+            token_threshold: self.token_threshold,
+            strategy: self.strategy.clone(),
+            sampling: self.sampling.clone(),
+            ..Knobs::default()
+        })
+    }
+}
 
 /// `n_predict` as a token limit: -1 (or none) is the server's default.
-pub(crate) fn n_predict(n: Option<i64>) -> Result<Option<u32>, ApiError> {
+fn n_predict(n: Option<i64>) -> Result<Option<u32>, ApiError> {
     match n {
         None | Some(-1) => Ok(None),
         Some(n) => u32::try_from(n).map(Some).map_err(|_| {
@@ -18,7 +73,7 @@ pub(crate) fn n_predict(n: Option<i64>) -> Result<Option<u32>, ApiError> {
 }
 
 /// `seed`: -1 (or none) is a random one.
-pub(crate) fn seed(s: Option<i64>) -> Result<Option<u64>, ApiError> {
+fn seed(s: Option<i64>) -> Result<Option<u64>, ApiError> {
     match s {
         None | Some(-1) => Ok(None),
         Some(s) => u64::try_from(s).map(Some).map_err(|_| {
@@ -29,10 +84,7 @@ pub(crate) fn seed(s: Option<i64>) -> Result<Option<u64>, ApiError> {
 
 /// `id_slot` (-1: any) and `n_probs` (0: none): a pinned slot or token probabilities are
 /// refused by name.
-pub(crate) fn refuse_slot_and_probs(
-    id_slot: Option<i64>,
-    n_probs: Option<u32>,
-) -> Result<(), ApiError> {
+fn refuse_slot_and_probs(id_slot: Option<i64>, n_probs: Option<u32>) -> Result<(), ApiError> {
     let bad = |m: &str, p: &str| Err(ApiError::bad_request(m.to_string()).param(p));
     if id_slot.is_some_and(|s| s != -1) {
         return bad(
