@@ -102,6 +102,7 @@ def main():
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--out")
+    ap.add_argument("--misses", help="write every wrong case (template, truth, answer) here")
     a = ap.parse_args()
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(a.tokenizer)
@@ -110,10 +111,18 @@ def main():
     rng = random.Random(a.seed)
     t = collections.defaultdict(Tally)
     start = time.time()
+    misses = []
+
+    def judge(row, kind, template, r, truth, *fw):
+        t[row].add(kind, r["text"] == truth, *fw)
+        if r["text"] != truth and not row.endswith("_old"):
+            misses.append({"row": row, "kind": kind, "template": template, "truth": truth,
+                           "answer": r["text"], "forwards": r["forward_calls"]})
+
     for h in held:
         q, truth, kind = h["question"], h["response"], h["kind"]
         plain = run(a, q)
-        t["plain"].add(kind, plain["text"] == truth)
+        judge("plain", kind, None, plain, truth)
         for name, before, hidden, after in cases(h, rng, size):
             n = size(hidden)
             exact = run(a, q, f"{before}{{{{gap:={n}}}}}{after}")
@@ -123,7 +132,8 @@ def main():
             for label, m in gaps:
                 fit = "{{gap}}" if m is None else f"{{{{gap:{m}}}}}"
                 r = run(a, q, f"{before}{fit}{after}")
-                t[f"{name}_{label}"].add(kind, r["text"] == truth, r["forward_calls"], ex_fw)
+                judge(f"{name}_{label}", kind, f"{before}{fit}{after}", r, truth,
+                      r["forward_calls"], ex_fw)
                 old = f"{{{{gap:={m if m is not None else 512}}}}}"
                 r = run(a, q, f"{before}{old}{after}")
                 t[f"{name}_{label}_old"].add(kind, r["text"] == truth)
@@ -133,6 +143,8 @@ def main():
     print(json.dumps(doc, indent=1))
     if a.out:
         json.dump(doc, open(a.out, "w"), indent=1)
+    if a.misses:
+        json.dump(misses, open(a.misses, "w"), indent=1)
 
 
 if __name__ == "__main__":

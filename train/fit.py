@@ -37,6 +37,7 @@ import json
 import os
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoTokenizer
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -84,8 +85,23 @@ def word_byte(b):
 def fitting(text, vocab, at_start_of_gap):
     """Tokens that can stand for healed text: starting with it (taken before a gap) or ending
     with it (taken after one)."""
-    ok = (lambda t: t.startswith(text)) if at_start_of_gap else (lambda t: t.endswith(text))
+    # A run of blanks before a gap also admits the run one space shorter (the pre-tokenizer's
+    # `\s+(?!\S)` gives the last space to the word after it).
+    blank = len(text) >= 2 and text.endswith(b" ") and all(c in b" \t" for c in text)
+    shorter = text[:-1] if at_start_of_gap and blank else None
+    ok = (lambda t: t.startswith(text) or t == shorter) if at_start_of_gap \
+        else (lambda t: t.endswith(text))
     return [i for i, t in enumerate(vocab) if t and ok(t)]
+
+
+def attaches(t, word):
+    """A one-character token `t` before the word `word` goes with it, as Qwen's pre-tokenizer
+    splits text (`[^\\r\\n\\p{L}\\p{N}]?\\p{L}+`): ` ` then `i` is healed as ` i`."""
+    if len(t) != 1 or not word:
+        return False
+    c, w = t[0], word[0]
+    letter = chr(w).isascii() and chr(w).isalpha() or w >= 0x80
+    return not (chr(c).isascii() and chr(c).isalnum() or c in (13, 10) or c >= 0x80) and letter
 
 
 def heal_len(ids, most, vocab, from_end):
@@ -101,6 +117,8 @@ def heal_len(ids, most, vocab, from_end):
             inner = vocab[at(n - 1)] or b""
             a, b = (t[-1:], inner[:1]) if from_end else (inner[-1:], t[:1])
             if not (a and b and word_byte(a[0]) and word_byte(b[0])):
+                if from_end and attaches(t, inner):
+                    n += 1
                 break
         n += 1
     while n > 1:
@@ -193,10 +211,36 @@ def rewritten_at(fill, span):
     return None
 
 
+LOOSE_MIN = 4
+
+
+def loosely_at(fill, span, last):
+    """The span written again with a few tokens otherwise: the cut (its token before standing
+    for `last`) whose tail agrees with the span's start at the most places, at least 3 in 4 of
+    the min(tail, span) tokens compared and at least min(LOOSE_MIN, span) of them; the latest
+    of the best."""
+    least = min(LOOSE_MIN, len(span))
+    best = None
+    for i in range(1, len(fill) + 1):
+        if last and fill[i - 1] not in last["fits"]:
+            continue
+        tail = fill[i:]
+        n = min(len(tail), len(span))
+        if n == 0 or n < least:
+            continue
+        agree = sum(a == b for a, b in zip(tail, span))
+        if agree * 4 < n * 3:
+            continue
+        if best is None or agree >= best[0]:
+            best = (agree, i)
+    return None if best is None else best[1]
+
+
 @torch.no_grad()
 def probe(model, eos, prompt, template, s, mask_id, temperature, seed):
     """Drafts the template at its gaps' sizes, one forward a probe block; returns each fitted
-    gap's length found (None: it keeps its size)."""
+    gap's length found (None: it keeps its size), the first forward's draft (a slot's start:
+    its tokens and its first token's probability) and each gap's first position."""
     gen_length, k, serial, _, _ = s
     serial = max(1, serial // PROBE_BLOCKS)
     start = len(prompt)
@@ -219,6 +263,7 @@ def probe(model, eos, prompt, template, s, mask_id, temperature, seed):
             pos += len(p)
     drafted = {}
     past = None
+    first_plan = None
     spans = []
     for i, p in enumerate(template):
         if "known" not in p:
@@ -240,6 +285,8 @@ def probe(model, eos, prompt, template, s, mask_id, temperature, seed):
             met = junction(fill, span, p.get("last"), anchor) if anchor > 0 else None
             if met is None:
                 met = rewritten_at(fill, span)
+            if met is None:
+                met = loosely_at(fill, span, p.get("last"))
             if met is not None:
                 out.append(("length", met))
             elif e is not None or len(fill) >= slots * k:
@@ -273,6 +320,10 @@ def probe(model, eos, prompt, template, s, mask_id, temperature, seed):
             x0 = [noise.sample(r, temperature) for r in rows]
         else:
             x0 = torch.argmax(logits, dim=-1)[0].tolist()
+        if first_plan is None:
+            probs = F.softmax(logits[0].to(torch.float32), dim=-1)
+            first_plan = {st: (x0[si * k:(si + 1) * k], float(probs[si * k, x0[si * k]]))
+                          for si, st in enumerate(starts)}
         pending_x, pending_p = [], []
         for si, st in enumerate(starts):
             r = next(i for i, (g0, n) in enumerate(runs) if g0 <= st < g0 + n * k)
@@ -288,8 +339,8 @@ def probe(model, eos, prompt, template, s, mask_id, temperature, seed):
                     break
         f = found()
         if not any(state == "open" for state, _ in f):
-            return [n for _, n in f]
-    return [n for _, n in found()]
+            return [n for _, n in f], first_plan, gap_starts
+    return [n for _, n in found()], first_plan, gap_starts
 
 
 def stitch_fit(template, tokens, positions, start, k, eos):
@@ -328,7 +379,9 @@ def stitch_fit(template, tokens, positions, start, k, eos):
         if meets is None and span is not None:
             meets = junction(raw, span, last, 0)
         again = rewritten_at(raw, span) if meets is None and span is not None else None
-        cut = meets if meets is not None else again
+        loose = loosely_at(raw, span, last) if meets is None and again is None \
+            and span is not None else None
+        cut = meets if meets is not None else again if again is not None else loose
         fill = raw[:cut] if cut is not None else raw
         first, last = p.get("first"), p.get("last")
         skip = 0
@@ -341,7 +394,7 @@ def stitch_fit(template, tokens, positions, start, k, eos):
         lone = len(fill) == 1 and first is not None and first["tokens"] == fill
         trim = 0
         if last:
-            if meets is not None and not lone:
+            if (meets is not None or loose is not None) and not lone:
                 trim = last["bytes"]
             else:
                 answer += last["tokens"]
@@ -357,19 +410,30 @@ def generate_fit(model, eos, prompt, template, s, mask_id, temperature=0.0, seed
     k = s[1]
     t = [dict(p) for p in template]
     has_span = any("fit" in p and i + 1 < len(t) and "known" in t[i + 1] for i, p in enumerate(t))
+    plan = None
     if has_span:
-        lengths = probe(counted, eos, prompt, t, s, mask_id, temperature, seed)
+        lengths, drafted, probe_starts = probe(counted, eos, prompt, t, s, mask_id, temperature,
+                                               seed)
         for p, n in zip([p for p in t if "fit" in p], lengths):
             if n is not None:
                 p["found"] = n
                 size = -(-max(n, 1) // k) * k
                 if size < -(-p["size"] // k) * k:
                     p["size"] = size
+        # The final decode's first plan is the probe's first draft, slot for slot (the same
+        # offset in the same gap).
+        plan = {}
+        ids_t, final_starts, _ = layout(t, len(prompt), k)
+        sizes = [n for n in ids_t if isinstance(n, int)]
+        for g0, was, n in zip(final_starts, probe_starts, sizes):
+            for o in range(0, -(-n // k) * k, k):
+                if was + o in (drafted or {}):
+                    plan[g0 + o] = drafted[was + o]
     ids_t, _, first = layout(t, len(prompt), k)
     x, p, tpf = generate_infill(counted, eos, torch.tensor([prompt]), ids_t, gen_length=s[0],
                                 temperature=temperature, mask_id=mask_id, slot_size=k,
                                 serial_num_blocks=s[2], slot_threshold=s[3], token_threshold=s[4],
-                                seed=seed, first_tokens=first)
+                                seed=seed, first_tokens=first, plan=plan)
     n = len(prompt)
     toks, pos = x[0, n:].tolist(), p[0, n:].tolist()
     answer, fills = stitch_fit(t, toks, pos, n, k, eos)

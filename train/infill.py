@@ -77,11 +77,14 @@ class Noise:
 @torch.no_grad()
 def generate_infill(model, eos_token_id, prompt, template, gen_length=128, temperature=0.,
                     mask_id=151670, slot_size=8, serial_num_blocks=2, slot_threshold=0.9,
-                    token_threshold=0.9, seed=0, first_tokens=None):
+                    token_threshold=0.9, seed=0, first_tokens=None, plan=None):
     # INFILL: `template` is the answer in order: a list of ids (a known span) or an int (a gap
     # of at most that many tokens); the EOS id is given (the card reads the tokenizer's).
     # FIT (train/fit.py): `first_tokens` maps a position to the only tokens its planning
     # draft may take (token healing at a fitted gap's start).
+    # FIT: `plan` maps a slot's start to (its tokens, its confidence): a probe's draft taken as
+    # the first step's plan instead of a planning forward (the known spans are then fed with
+    # that step's verification).
     first_tokens = first_tokens or {}
     sum_TPF = 0.0
     forward_count = 0
@@ -159,7 +162,17 @@ def generate_infill(model, eos_token_id, prompt, template, gen_length=128, tempe
 
             prefix_block_tag = False
 
-            if past_key_values is None:
+            slot_starts = cur_gen_blocks_pos_ids[0, :, 0].tolist()
+            fed = 0
+            if plan is not None and past_key_values is None and all(st in plan for st in slot_starts):
+                # FIT: the probe's draft is this step's plan; no planning forward.
+                x0_gen = torch.tensor([[t for st in slot_starts for t in plan[st][0]]])
+                x0_p_softmax = torch.zeros(x0_gen.shape, dtype=torch.float64)
+                for si, st in enumerate(slot_starts):
+                    x0_p_softmax[0, si * cur_slot_size] = plan[st][1]
+                fed = cur_x.shape[1]
+                plan = None
+            elif past_key_values is None:
                 input_x = torch.cat((cur_x, flat_gen_blocks_x), dim=1)
                 input_pos_ids = torch.cat((cur_pos, flat_gen_blocks_pos_ids), dim=1)
                 outputs = model(input_ids=input_x, position_ids=input_pos_ids,
@@ -168,23 +181,24 @@ def generate_infill(model, eos_token_id, prompt, template, gen_length=128, tempe
                 outputs = model(input_ids=flat_gen_blocks_x, position_ids=flat_gen_blocks_pos_ids,
                                 past_key_values=past_key_values, use_cache=True)
 
-            logits = outputs.logits
-            gen_logits = logits[:, -flat_gen_blocks_x.shape[1]:, :]
-            gen_logits = restrict(gen_logits, flat_gen_blocks_pos_ids, first_tokens)  # FIT
+            if not fed:
+                logits = outputs.logits
+                gen_logits = logits[:, -flat_gen_blocks_x.shape[1]:, :]
+                gen_logits = restrict(gen_logits, flat_gen_blocks_pos_ids, first_tokens)  # FIT
 
-            past_key_values = outputs.past_key_values
-            past_key_values.crop(cur_x.shape[1])
-            assert cur_x.shape[-1] == past_key_values[0][0].shape[-2]
+                past_key_values = outputs.past_key_values
+                past_key_values.crop(cur_x.shape[1])
+                assert cur_x.shape[-1] == past_key_values[0][0].shape[-2]
 
-            if temperature > 0:  # INFILL: the runtime's noise, row by row
-                rows = gen_logits[0].to(torch.float64).tolist()
-                x0_gen = torch.tensor([[noise.sample(r, temperature) for r in rows]])
-            else:
-                x0_gen = torch.argmax(gen_logits, dim=-1)
+                if temperature > 0:  # INFILL: the runtime's noise, row by row
+                    rows = gen_logits[0].to(torch.float64).tolist()
+                    x0_gen = torch.tensor([[noise.sample(r, temperature) for r in rows]])
+                else:
+                    x0_gen = torch.argmax(gen_logits, dim=-1)
+
+                p_softmax = F.softmax(gen_logits, dim=-1)
+                x0_p_softmax = torch.gather(p_softmax, dim=-1, index=torch.unsqueeze(x0_gen, -1)).squeeze(-1)
             x0_gen_blocks = x0_gen.view(batch_size, -1, cur_slot_size)
-
-            p_softmax = F.softmax(gen_logits, dim=-1)
-            x0_p_softmax = torch.gather(p_softmax, dim=-1, index=torch.unsqueeze(x0_gen, -1)).squeeze(-1)
 
             x0_p_softmax_blocks = x0_p_softmax.view(batch_size, -1, cur_slot_size)
             block_confidence_softmax = x0_p_softmax_blocks[:, :, 0]
@@ -204,11 +218,16 @@ def generate_infill(model, eos_token_id, prompt, template, gen_length=128, tempe
             chosen_p_softmax_blocks = x0_p_softmax_blocks[0, topk_indices_relative, :]
 
             # Global Verification
-            outputs = model(input_ids=chosen_gen_blocks.reshape(1, -1),
-                            position_ids=chosen_position_ids.reshape(1, -1),
-                            past_key_values=past_key_values, use_cache=True)
-
-            AR_logits = outputs.logits
+            if fed:  # FIT: the known spans (and the prompt) fed in front of it
+                outputs = model(input_ids=torch.cat((cur_x, chosen_gen_blocks.reshape(1, -1)), dim=1),
+                                position_ids=torch.cat((cur_pos, chosen_position_ids.reshape(1, -1)), dim=1),
+                                past_key_values=None, use_cache=True)
+                AR_logits = outputs.logits[:, fed:]
+            else:
+                outputs = model(input_ids=chosen_gen_blocks.reshape(1, -1),
+                                position_ids=chosen_position_ids.reshape(1, -1),
+                                past_key_values=past_key_values, use_cache=True)
+                AR_logits = outputs.logits
             AR_logits = torch.cat([AR_logits[:, :1], AR_logits[:, :-1]], dim=1)
             AR_p_softmax = F.softmax(AR_logits, dim=-1)
             AR_x0_p_softmax = torch.gather(AR_p_softmax, dim=-1, index=torch.unsqueeze(chosen_gen_blocks.reshape(1, -1), -1)).squeeze(-1)

@@ -20,9 +20,9 @@
 
 use std::sync::Arc;
 
-use super::slots::SlotDecoder;
+use super::slots::{FirstPlan, SlotDecoder};
 use super::strategy::{Poll, Strategy};
-use super::template::{junction, rewritten_at, Piece, Template};
+use super::template::{junction, loosely_at, rewritten_at, Piece, Template};
 use super::{DecodeParams, DecodeResult, Event};
 use crate::error::Result;
 use crate::kv::SeqCache;
@@ -119,7 +119,8 @@ impl Fit {
             let met = (anchor > 0)
                 .then(|| junction(fill, span, f.last.as_ref(), anchor))
                 .flatten()
-                .or_else(|| rewritten_at(fill, span));
+                .or_else(|| rewritten_at(fill, span))
+                .or_else(|| loosely_at(fill, span, f.last.as_ref()));
             out.push(match (met, eos) {
                 (Some(n), _) => Found::Length(n as u32),
                 (None, Some(_)) => Found::Keep,
@@ -158,24 +159,77 @@ impl Fit {
             }
         }
         on_event(Event::Resized { template: &sized });
-        self.restart(sized, cache)
+        self.restart(sized, cache, on_event)
     }
 
-    /// Starts the final decode of `sized` over the prompt's entries.
-    fn restart(&mut self, sized: Template, cache: &mut SeqCache<'_>) -> Result<()> {
+    /// Starts the final decode of `sized` over the prompt's entries. Its first step takes the
+    /// probe's first draft as its plan where that draft covers the step's slots
+    /// ([`SlotDecoder::reuse_plan`]): a gap's draft at its maximum is the same masked text up
+    /// to the length found, so the final decode saves its first planning forward.
+    fn restart(
+        &mut self,
+        sized: Template,
+        cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
         let done = self.inner.result();
         self.forward_calls += done.forward_calls;
         self.forward_tokens += done.forward_tokens;
         self.forward_sizes.extend(done.forward_sizes);
         let (sum, steps) = self.inner.tpf_parts();
         self.tpf = (self.tpf.0 + sum, self.tpf.1 + steps);
+        let (start, k) = (self.prompt.len() as u32, self.params.slot_size);
+        let probe_gaps = self.params.answer_template().gaps(start, k);
+        let plan = self.inner.first_plan().cloned();
         cache.crop(self.prompt.len())?;
+        let final_gaps = sized.gaps(start, k);
         self.params.template = Some(Arc::new(sized));
         let n = self.prompt.len();
         self.inner = SlotDecoder::infill(&self.prompt, n, &self.params);
         self.stage = Stage::Final;
+        let reused = plan.and_then(|p| {
+            let at = |s: u32| probe_start(s, &final_gaps, &probe_gaps, k);
+            planned_for(&p, self.inner.block_slots(), at, k as usize)
+        });
+        if let Some((tokens, conf)) = reused {
+            self.inner.reuse_plan(tokens, &conf, on_event);
+        }
         Ok(())
     }
+}
+
+/// Where the final decode's slot at `slot` (a position in one of `final_gaps`) was in the
+/// probe: the same offset in the same gap of `probe_gaps`.
+fn probe_start(
+    slot: u32,
+    final_gaps: &[(u32, u32)],
+    probe_gaps: &[(u32, u32)],
+    k: u32,
+) -> Option<u32> {
+    final_gaps
+        .iter()
+        .zip(probe_gaps)
+        .find(|((at, n), _)| slot >= *at && slot < at + n * k)
+        .map(|((at, _), (was, _))| was + (slot - at))
+}
+
+/// The draft and first-token confidence of each of `slots` from the probe's first plan, if
+/// it drafted them all (`at`: a slot's start in the probe).
+fn planned_for(
+    plan: &FirstPlan,
+    slots: &[u32],
+    at: impl Fn(u32) -> Option<u32>,
+    k: usize,
+) -> Option<(Vec<u32>, Vec<f32>)> {
+    let mut tokens = Vec::with_capacity(slots.len() * k);
+    let mut conf = Vec::with_capacity(slots.len());
+    for &s in slots {
+        let was = at(s)?;
+        let i = plan.slots.iter().position(|&p| p == was)?;
+        tokens.extend_from_slice(&plan.tokens[i * k..(i + 1) * k]);
+        conf.push(plan.conf[i]);
+    }
+    (!slots.is_empty()).then_some((tokens, conf))
 }
 
 /// The probe's parameters: blocks [`PROBE_BLOCKS`] times as long (fewer serial blocks), so
@@ -278,5 +332,26 @@ mod tests {
         let positions = [0, 12, 10, 11, 14];
         assert_eq!(contiguous(&tokens, &positions, 10, 16), vec![5, 6, 7]);
         assert_eq!(contiguous(&tokens, &positions, 13, 16), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn the_final_decode_takes_the_probes_draft_slot_for_slot() {
+        // The probe's gaps: 3 slots of 2 at 10, 2 at 20; the final's: 1 at 10, 2 at 14.
+        let (probe, fin) = ([(10, 3), (20, 2)], [(10, 1), (14, 2)]);
+        assert_eq!(probe_start(10, &fin, &probe, 2), Some(10));
+        assert_eq!(probe_start(16, &fin, &probe, 2), Some(22));
+        assert_eq!(probe_start(12, &fin, &probe, 2), None, "in no gap");
+        let plan = FirstPlan {
+            slots: vec![10, 12, 20],
+            tokens: vec![1, 2, 3, 4, 5, 6],
+            conf: vec![0.5, 0.25, 0.75],
+        };
+        let at = |s| probe_start(s, &fin, &probe, 2);
+        assert_eq!(
+            planned_for(&plan, &[10, 14], at, 2),
+            Some((vec![1, 2, 5, 6], vec![0.5, 0.75]))
+        );
+        // A slot the probe's first forward did not draft: no plan to take.
+        assert_eq!(planned_for(&plan, &[10, 16], at, 2), None);
     }
 }

@@ -32,6 +32,18 @@ struct Planned {
     chosen: Vec<usize>,
     /// Slots counted in this step's TPF (the confident ones, at least one).
     counts_block: usize,
+    /// Pending tokens (known spans) fed in front of the verification: a plan taken from a
+    /// probe's draft ([`SlotDecoder::reuse_plan`]) had no planning forward to feed them.
+    fed: usize,
+}
+
+/// A drafting decoder's first planning forward, kept for the decode after it
+/// ([`SlotDecoder::reuse_plan`]): each slot's start, its drafted tokens and its confidence.
+#[derive(Debug, Clone, Default)]
+pub(super) struct FirstPlan {
+    pub slots: Vec<u32>,
+    pub tokens: Vec<u32>,
+    pub conf: Vec<f32>,
 }
 
 enum Phase {
@@ -77,6 +89,8 @@ pub struct SlotDecoder {
     /// draft is taken as it is, fed with the next block's planning forward, and nothing is
     /// verified: one forward a block.
     drafting: bool,
+    /// A drafting decoder's first planning draft (see [`FirstPlan`]).
+    first_plan: Option<FirstPlan>,
     /// The batch of the forward asked for (reused between forwards).
     batch: Batch,
     /// For each token of the batch, the row of its logits (`usize::MAX`: not asked for). Only
@@ -127,6 +141,54 @@ impl SlotDecoder {
         (x, p)
     }
 
+    /// A drafting decoder's first planning draft, once made.
+    pub(super) fn first_plan(&self) -> Option<&FirstPlan> {
+        self.first_plan.as_ref()
+    }
+
+    /// The slots of the serial block being decoded, by start position.
+    pub(super) fn block_slots(&self) -> &[u32] {
+        &self.slots
+    }
+
+    /// Takes the first step's plan from a draft made before (`tokens` and `conf` for each of
+    /// [`Self::block_slots`], from a fitted gap's probe) instead of a planning forward: the
+    /// step's verification comes next, with the pending tokens (the known spans) fed in front
+    /// of it. The slots are chosen from `conf` as after a planning forward.
+    pub(super) fn reuse_plan(
+        &mut self,
+        tokens: Vec<u32>,
+        conf: &[f32],
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) {
+        debug_assert!(matches!(self.phase, Phase::Plan) && self.cur_x.len() == self.prompt_len);
+        on_event(Event::Planned {
+            slot_starts: &self.slots,
+            slot_size: self.k,
+            tokens: &tokens,
+        });
+        let (chosen, counts_block) = self.choose(conf);
+        self.phase = Phase::Verify(Planned {
+            x0: tokens,
+            chosen,
+            counts_block,
+            fed: self.pending.len(),
+        });
+    }
+
+    /// The slots a step verifies: those whose first token's confidence is above the
+    /// threshold, else the most confident one; and how many count in its TPF.
+    fn choose(&self, conf: &[f32]) -> (Vec<usize>, usize) {
+        let mut chosen: Vec<usize> = (0..conf.len())
+            .filter(|&s| conf[s] > self.p.slot_threshold)
+            .collect();
+        let counts_block = chosen.len().max(1);
+        if chosen.is_empty() {
+            chosen.push(argmax(conf));
+        }
+        (chosen, counts_block)
+    }
+
     /// The tokens-per-forward figures so far: their sum and how many steps they are of.
     pub(super) fn tpf_parts(&self) -> (f64, usize) {
         (self.sum_tpf, self.tpf_steps)
@@ -163,6 +225,7 @@ impl SlotDecoder {
             phase: Phase::Plan,
             first_tokens: Vec::new(),
             drafting: false,
+            first_plan: None,
             batch: Batch::default(),
             logit_row: Vec::new(),
         };
@@ -269,21 +332,22 @@ impl SlotDecoder {
             tokens: &x0,
         });
         if self.drafting {
+            if self.first_plan.is_none() {
+                self.first_plan = Some(FirstPlan {
+                    slots: self.slots.clone(),
+                    tokens: x0.clone(),
+                    conf,
+                });
+            }
             self.take_draft(&x0);
             return Ok(());
         }
-        // Chosen: above the threshold, else the most confident slot.
-        let mut chosen: Vec<usize> = (0..n_slots)
-            .filter(|&s| conf[s] > self.p.slot_threshold)
-            .collect();
-        let counts_block = chosen.len().max(1);
-        if chosen.is_empty() {
-            chosen.push(argmax(&conf));
-        }
+        let (chosen, counts_block) = self.choose(&conf);
         self.phase = Phase::Verify(Planned {
             x0,
             chosen,
             counts_block,
+            fed: 0,
         });
         Ok(())
     }
@@ -318,17 +382,28 @@ impl SlotDecoder {
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
         let (tags, prefix_len) = self.verify_tags(&pl, ver);
-        let (remain, to_remove) = self.accepted(&pl.chosen, prefix_len);
-        if !remain.is_empty() {
-            return self.commit_accepted(&pl.x0, &remain, to_remove, cache, on_event);
+        let (remain, to_remove) = self.accepted(&pl.chosen, pl.fed, prefix_len);
+        if pl.fed > 0 {
+            // The known spans fed with the verification join the committed entries.
+            self.cur_x.append(&mut self.pending);
+            self.cur_pos.append(&mut self.pending_pos);
         }
-        cache.clear_rows()?;
+        if !remain.is_empty() {
+            return self.commit_accepted(&pl.x0, &remain, to_remove, pl.fed, cache, on_event);
+        }
+        if pl.fed > 0 {
+            cache.truncate_rows(pl.fed)?;
+            cache.commit_row(0)?;
+        } else {
+            cache.clear_rows()?;
+        }
         // 3. Parallel infilling: one row per chosen slot over the shared cache.
         let k = self.k;
         let Planned {
             x0,
             chosen,
             counts_block,
+            ..
         } = pl;
         let inf = Infill {
             spec: chosen
@@ -366,7 +441,7 @@ impl SlotDecoder {
                 let flat = c * k + j;
                 let pass = j == 0
                     || prob(
-                        logits_of(ver, &self.logit_row, flat - 1),
+                        logits_of(ver, &self.logit_row, pl.fed + flat - 1),
                         pl.x0[s * k + j] as usize,
                     ) > self.p.token_threshold;
                 all_so_far &= pass;
@@ -385,10 +460,11 @@ impl SlotDecoder {
     fn accepted(
         &mut self,
         chosen: &[usize],
+        fed: usize,
         prefix_len: usize,
     ) -> (Vec<(usize, usize)>, Vec<usize>) {
         let k = self.k;
-        let flat_tokens = &self.batch.tokens;
+        let flat_tokens = &self.batch.tokens[fed..];
         let mut remain = Vec::new();
         let mut to_remove = Vec::new();
         let eos = self.p.eos_id;
@@ -420,6 +496,7 @@ impl SlotDecoder {
         x0: &[u32],
         remain: &[(usize, usize)],
         to_remove: Vec<usize>,
+        fed: usize,
         cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
@@ -432,7 +509,7 @@ impl SlotDecoder {
                 positions.push(self.slots[s] + j as u32);
             }
         }
-        cache.truncate_rows(tokens.len())?;
+        cache.truncate_rows(fed + tokens.len())?;
         cache.commit_row(0)?;
         self.cur_x.extend_from_slice(&tokens);
         self.cur_pos.extend_from_slice(&positions);
@@ -463,10 +540,14 @@ impl Strategy for SlotDecoder {
             Phase::Done => return Ok(Poll::Done),
             Phase::Plan => self.build_plan(),
             Phase::Verify(pl) => {
-                build_verify(&mut self.batch, pl, &self.slots, self.k);
-                // Token j of a slot is scored by token j-1's logits: not the slot's last.
-                let k = self.k;
-                want(&mut self.batch, &mut self.logit_row, |b| b % k != k - 1);
+                let fed = (&self.pending[..pl.fed], &self.pending_pos[..pl.fed]);
+                build_verify(&mut self.batch, pl, &self.slots, self.k, fed);
+                // Token j of a slot is scored by token j-1's logits: not the slot's last (nor
+                // a fed span's token).
+                let (k, fed) = (self.k, pl.fed);
+                want(&mut self.batch, &mut self.logit_row, |b| {
+                    b >= fed && (b - fed) % k != k - 1
+                });
             }
             Phase::Draft(inf) => {
                 build_rows(&mut self.batch, inf, self.k, Some(self.p.mask_id));
@@ -572,9 +653,13 @@ fn restrict<'b>(row: &[f32], admits: &[u32], buf: &'b mut Vec<f32>) -> &'b [f32]
     buf
 }
 
-/// Global verification: the chosen slots concatenated, in position order.
-fn build_verify(b: &mut Batch, pl: &Planned, slots: &[u32], k: usize) {
+/// Global verification: the chosen slots concatenated, in position order, after the `fed`
+/// pending tokens (none but for a reused plan).
+fn build_verify(b: &mut Batch, pl: &Planned, slots: &[u32], k: usize, fed: (&[u32], &[u32])) {
     b.clear();
+    for (&t, &pos) in fed.0.iter().zip(fed.1) {
+        b.push(t, pos, 0);
+    }
     for &s in &pl.chosen {
         for j in 0..k {
             b.push(pl.x0[s * k + j], slots[s] + j as u32, 0);

@@ -426,6 +426,20 @@ fn word_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b == b'_' || b >= 0x80
 }
 
+/// Whether a token `t` of one character goes with the word `word` that follows it, as Qwen's
+/// pre-tokenizer splits text (`[^\r\n\p{L}\p{N}]?\p{L}+`: one character that is not a
+/// letter, digit or line break, then letters): a cursor after `The answer i` ends the span in
+/// ` ` and `i`, where the whole text has ` is`, so both are healed.
+fn attaches(t: &[u8], word: &[u8]) -> bool {
+    let letter = |b: u8| b.is_ascii_alphabetic() || b >= 0x80;
+    match (t, word.first()) {
+        ([c], Some(&w)) => {
+            !(c.is_ascii_alphanumeric() || *c == b'\r' || *c == b'\n' || *c >= 0x80) && letter(w)
+        }
+        _ => false,
+    }
+}
+
 /// How many of `ids`' tokens at `edge` to heal (at most `most`): the last (first) one, and
 /// before (after) it the rest of the word it is cut in, as long as some token of the
 /// vocabulary starts (ends) with their text; 0 when a special token is there.
@@ -448,6 +462,10 @@ fn heal_len(ids: &[u32], most: usize, vocab: &dyn TokenBytes, edge: Edge) -> usi
                 Edge::Start => inner.last().zip(t.first()),
             };
             if !joined.is_some_and(|(&a, &b)| word_byte(a) && word_byte(b)) {
+                // Before the word, the one character Qwen's pre-tokenizer joins to it.
+                if let Edge::End = edge {
+                    n += attaches(t, inner) as usize;
+                }
                 break;
             }
         }
@@ -479,19 +497,33 @@ fn healed_text(tokens: &[u32], vocab: &dyn TokenBytes, edge: Edge) -> Vec<u8> {
 /// The vocabulary's tokens that can stand for the healed `tokens`' text: those starting with
 /// it (the gap's first token, healing the span before) or ending with it (its last token,
 /// healing the span after), sorted.
+///
+/// A run of blanks before a gap (a cursor in a line's indentation) also admits the run one
+/// space shorter: Qwen's pre-tokenizer gives a run's last space to the word after it
+/// (`\s+(?!\S)`), so the whole text of `        total` is 7 spaces, then ` total`; the fill's
+/// next token, starting with the space, completes the healed text.
 fn fitting(tokens: &[u32], vocab: &dyn TokenBytes, edge: Edge) -> Vec<u32> {
     let text = healed_text(tokens, vocab, edge);
+    let shorter = match edge {
+        Edge::End if blank_run(&text) => Some(&text[..text.len() - 1]),
+        _ => None,
+    };
     (0..vocab.vocab_len() as u32)
         .filter(|&id| {
             vocab.token_bytes(id).is_some_and(|t| {
                 !t.is_empty()
                     && match edge {
-                        Edge::End => t.starts_with(&text),
+                        Edge::End => t.starts_with(&text) || shorter == Some(t),
                         Edge::Start => t.ends_with(&text),
                     }
             })
         })
         .collect()
+}
+
+/// Two or more spaces and tabs, the last a space.
+fn blank_run(text: &[u8]) -> bool {
+    text.len() >= 2 && text.ends_with(b" ") && text.iter().all(|&b| b == b' ' || b == b'\t')
 }
 
 /// The healed `tokens` (taken from a span's `edge`, in the span's order) and what may stand
@@ -558,6 +590,39 @@ pub fn rewritten_at(fill: &[u32], span: &[u32]) -> Option<usize> {
         return None;
     }
     (1..=fill.len() - m).find(|&i| fill[i..i + m] == span[..m])
+}
+
+/// The fewest tokens a loose match ([`loosely_at`]) compares (fewer when the span is shorter).
+const LOOSE_MIN: usize = 4;
+
+/// Where a fill writes the span after it again with a few tokens written otherwise (the model
+/// names a variable its own way: `sum(xs)` where the span has `sum(nums)`; or it garbles one
+/// token), when no cut agrees exactly: the cut whose tail agrees with the span's start, token
+/// for token, at the most places, at least three in four of the tokens compared (the tail's
+/// or the span's, the fewer, and at least [`LOOSE_MIN`] of them). A cut at `i` needs the fill's
+/// token `i - 1` to stand for the healed token (`last`), as at a [`junction`]; among cuts with
+/// as many agreeing tokens, the latest.
+pub fn loosely_at(fill: &[u32], span: &[u32], last: Option<&Healed>) -> Option<usize> {
+    let least = LOOSE_MIN.min(span.len());
+    let mut best: Option<(usize, usize)> = None;
+    for i in 1..=fill.len() {
+        if last.is_some_and(|h| !h.admits(fill[i - 1])) {
+            continue;
+        }
+        let tail = &fill[i..];
+        let n = tail.len().min(span.len());
+        if n == 0 || n < least {
+            continue;
+        }
+        let agree = tail.iter().zip(span).filter(|(a, b)| a == b).count();
+        if agree * 4 < n * 3 {
+            continue;
+        }
+        if best.is_none_or(|(most, _)| agree >= most) {
+            best = Some((agree, i));
+        }
+    }
+    best.map(|(_, i)| i)
 }
 
 /// What a gap was filled with.
@@ -691,7 +756,11 @@ fn fitted(
         .is_none()
         .then(|| span.and_then(|s| rewritten_at(raw, s)))
         .flatten();
-    let fill = &raw[..meets.or(again).unwrap_or(raw.len())];
+    // Else where it writes the span again loosely (a few of its tokens otherwise).
+    let loose = (meets.is_none() && again.is_none())
+        .then(|| span.and_then(|s| loosely_at(raw, s, f.last.as_ref())))
+        .flatten();
+    let fill = &raw[..meets.or(again).or(loose).unwrap_or(raw.len())];
     let first = f.first.as_ref();
     let skip = match (first, fill.first()) {
         (Some(h), Some(&t)) if h.admits(t) => h.bytes,
@@ -705,7 +774,7 @@ fn fitted(
     // The span's first token is stood for by the fill's last one when the cut was made there
     // (a lone token that also stands for the span before cannot be both).
     let lone_healed = fill.len() == 1 && first.is_some_and(|h| h.tokens == fill);
-    let stood = meets.is_some() && f.last.is_some() && !lone_healed;
+    let stood = (meets.is_some() || loose.is_some()) && f.last.is_some() && !lone_healed;
     let trim = match &f.last {
         Some(h) if stood => h.bytes,
         Some(h) => {
@@ -718,7 +787,7 @@ fn fitted(
         start: 0,
         tokens: fill.to_vec(),
         eos,
-        truncated: !eos && full && meets.is_none() && again.is_none(),
+        truncated: !eos && full && meets.or(again).or(loose).is_none(),
         skip,
         trim,
     }
@@ -892,6 +961,76 @@ mod tests {
         };
         assert_eq!(f.first.as_ref().unwrap().tokens, vec![12, 13]);
         assert_eq!(&*f.first.as_ref().unwrap().fits, &[14]);
+    }
+
+    #[test]
+    fn healing_takes_the_space_before_a_word_cut_by_the_cursor() {
+        let v = vocab();
+        // "The answer i|": the span ends in " answer", " " (16) and "i" (17), where the whole
+        // text has " is": the space goes with the word, and both are healed.
+        let mut v = v;
+        v.0.extend([" ", "i", " is"]);
+        let pieces = [TextPiece::Text("a".into()), fit(5)];
+        let t =
+            Template::from_text(&pieces, |_| Ok::<_, ()>(vec![5, 6, 16, 17]), Some(&v)).unwrap();
+        let Piece::Fit(f) = &t.pieces[1] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(t.pieces[0], Piece::Known(vec![5, 6]));
+        let first = f.first.as_ref().unwrap();
+        assert_eq!(first.tokens, vec![16, 17]);
+        assert_eq!(&*first.fits, &[7, 8, 18], "the tokens starting with ' i'");
+        // Not before a digit, nor a newline before a word.
+        assert!(!attaches(b" ", b"7"));
+        assert!(!attaches(b"\n", b"The"));
+        assert!(attaches(b"(", b"x"));
+    }
+
+    #[test]
+    fn a_cursor_in_the_indentation_admits_the_run_a_space_shorter() {
+        let mut v = vocab();
+        // 16 "   ", 17 "  ", 18 " total", 19 "    ": "We" then a cursor after three spaces.
+        v.0.extend(["   ", "  ", " total", "    "]);
+        let pieces = [TextPiece::Text("a".into()), fit(5)];
+        let t = Template::from_text(&pieces, |_| Ok::<_, ()>(vec![0, 4, 16]), Some(&v)).unwrap();
+        let Piece::Fit(f) = &t.pieces[1] else {
+            panic!("{t:?}")
+        };
+        let first = f.first.as_ref().unwrap();
+        assert_eq!(first.tokens, vec![16]);
+        // The whole text of "   total" is "  " then " total"; "    " (more indentation) too.
+        assert_eq!(&*first.fits, &[16, 17, 19]);
+        assert!(blank_run(b"\t  ") && !blank_run(b" ") && !blank_run(b"  \t"));
+    }
+
+    #[test]
+    fn a_fill_that_writes_its_span_again_loosely_is_cut_there() {
+        let last = Healed {
+            tokens: vec![4],
+            bytes: 1,
+            fits: vec![3, 4].into(),
+        };
+        // The span 5 6 7 8 written again as 5 9 7 8 after ".\n": three of four agree.
+        assert_eq!(
+            loosely_at(&[1, 3, 5, 9, 7, 8], &[5, 6, 7, 8], Some(&last)),
+            Some(2)
+        );
+        // Two of four is not enough; nor is a cut after a token that does not end with "\n".
+        assert_eq!(
+            loosely_at(&[1, 3, 5, 9, 9, 8], &[5, 6, 7, 8], Some(&last)),
+            None
+        );
+        assert_eq!(
+            loosely_at(&[1, 2, 5, 9, 7, 8], &[5, 6, 7, 8], Some(&last)),
+            None
+        );
+        // Fewer than four tokens compared: none (unless the span is that short).
+        assert_eq!(
+            loosely_at(&[1, 3, 5, 9, 7], &[5, 6, 7, 8], Some(&last)),
+            None
+        );
+        assert_eq!(loosely_at(&[1, 5, 9], &[5, 6], None), None, "1 of 2");
+        assert_eq!(loosely_at(&[1, 5, 6], &[5, 6], None), Some(1));
     }
 
     #[test]
