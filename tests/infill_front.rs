@@ -660,13 +660,14 @@ fn editor_plugins_fill_in_the_middle_requests() {
     let prompt_ids = c["prompt_ids"].clone();
     let prompt_text = detok(&server, &prompt_ids);
     assert!(retokenizes(&server, &prompt_text, &prompt_ids));
-    // The cursor inside the function's last line, halfway.
+    // The cursor inside the function's last line, halfway, and the line's middle quarter
+    // missing after it (with nothing missing, the right fill is empty).
     let lines: Vec<&str> = answer.split('\n').collect();
     let row = lines.len() - 2;
-    let col = lines[row].len() / 2;
+    let (col, resume) = (lines[row].len() / 2, lines[row].len() * 3 / 4);
     let prefix: String = lines[..row].iter().map(|l| format!("{l}\n")).collect();
     let cursor_line = &lines[row][..col];
-    let after = format!("{}\n{}", &lines[row][col..], lines[row + 1..].join("\n"));
+    let after = format!("{}\n{}", &lines[row][resume..], lines[row + 1..].join("\n"));
     let n = 64;
     let want = cli_answer(
         &m,

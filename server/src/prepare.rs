@@ -6,11 +6,11 @@
 use std::sync::Arc;
 
 use crate::api::{ApiError, Knobs};
-use crate::fill::FillSpec;
+use crate::fill::{FillSource, FillSpec};
 use crate::worker::Limits;
 use refusion_engine::chat::{ChatTemplate, Message, Tokenizer};
 use refusion_engine::constrain::Format;
-use refusion_engine::decode::{DecodeParams, Kind};
+use refusion_engine::decode::{DecodeParams, Kind, Template};
 use refusion_engine::load::runtime::Loaded;
 
 /// What a request asks the model to continue.
@@ -81,8 +81,22 @@ impl Preparer {
         if let Some((format, field)) = knobs.format()? {
             params = self.constrained(params, &format, field)?;
         }
+        let mut prompt = self.prompt(input)?;
+        if let (
+            Some(FillSpec {
+                source: FillSource::Suffix(_),
+                ..
+            }),
+            Some(t),
+        ) = (template, &params.template)
+        {
+            // The text before the cursor is the prompt: its end is healed as a span's would be.
+            let mut t = Template::clone(t);
+            t.heal_prompt_end(&mut prompt, &*self.tokenizer);
+            params.template = Some(Arc::new(t));
+        }
         Ok(Prepared {
-            prompt: self.prompt(input)?,
+            prompt,
             params,
             stops: knobs.stop.as_ref().map(|s| s.list()).unwrap_or_default(),
             decode_events: knobs.decode_events,

@@ -437,7 +437,16 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
         let params = a.decode.params_for(m.header, m.tokenizer, a.templated())?;
         let params = a.with_template(params, m.tokenizer, m.vocab)?;
         let params = GrammarArgs::apply(format.as_ref(), params, m.tokenizer)?;
-        let prompt = a.prompt_of(m.tokenizer, m.header, file_text.as_deref())?;
+        let mut prompt = a.prompt_of(m.tokenizer, m.header, file_text.as_deref())?;
+        let params = match (&a.suffix, &params.template) {
+            // The text before the cursor is the prompt: its end is healed as a span's would be.
+            (Some(_), Some(t)) => {
+                let mut t = refusion_engine::decode::Template::clone(t);
+                t.heal_prompt_end(&mut prompt, m.tokenizer);
+                params.with_template(t)
+            }
+            _ => params,
+        };
         // A saved prompt longer than this request's cache is loaded whole (its common prefix
         // is kept): room for it, up to the context (a longer one cannot be loaded anyway).
         let saved = (a.prompt_cache.as_deref())

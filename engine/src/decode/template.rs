@@ -215,6 +215,29 @@ impl Template {
         Ok(t)
     }
 
+    /// Token healing at the prompt's end, for a template that starts with a fitted gap (a
+    /// `suffix` request: the text before the cursor is the prompt): the prompt's last tokens are
+    /// healed as a span before the gap would be (`prompt` loses them; the fill's first token
+    /// must start with their text, and the answer holds it). A prompt of one token, one ending
+    /// in a special token, or in a line break (a chat template's opened turn; a line's end,
+    /// where the text after starts afresh) is left alone.
+    pub fn heal_prompt_end(&mut self, prompt: &mut Vec<u32>, vocab: &dyn TokenBytes) {
+        let Some(Piece::Fit(f)) = self.pieces.first_mut() else {
+            return;
+        };
+        let ends_a_line = |t: &u32| vocab.token_bytes(*t).is_none_or(|b| b.ends_with(b"\n"));
+        if f.first.is_some() || prompt.len() < 2 || prompt.last().is_none_or(ends_a_line) {
+            return;
+        }
+        let m = heal_len(prompt, prompt.len() - 1, vocab, Edge::End);
+        if m > 0 {
+            let tokens = prompt.split_off(prompt.len() - m);
+            f.first = Some(healed(tokens, vocab, Edge::End));
+            f.max = f.max.saturating_add(1);
+            f.size = f.max;
+        }
+    }
+
     /// Token healing at every fitted gap's edges: the tokens of the word a span is cut in
     /// (or its last token) are taken off the span next to the gap and their text left for the
     /// fill to write, as the whole text would be tokenized there (a cursor inside a word, `.`
@@ -1001,6 +1024,27 @@ mod tests {
         // The whole text of "   total" is "  " then " total"; "    " (more indentation) too.
         assert_eq!(&*first.fits, &[16, 17, 19]);
         assert!(blank_run(b"\t  ") && !blank_run(b" ") && !blank_run(b"  \t"));
+    }
+
+    #[test]
+    fn a_suffix_requests_prompt_end_is_healed() {
+        let v = vocab();
+        let pieces = [fit(5), TextPiece::Text("b".into())];
+        let t = Template::from_text(&pieces, |_| Ok::<_, ()>(vec![5, 6]), Some(&v)).unwrap();
+        // "We wr|": " wr" leaves the prompt; the fill's first token must start with it.
+        let (mut healed, mut prompt) = (t.clone(), vec![0, 12]);
+        healed.heal_prompt_end(&mut prompt, &v);
+        assert_eq!(prompt, vec![0]);
+        let Piece::Fit(f) = &healed.pieces[0] else {
+            panic!("{healed:?}")
+        };
+        assert_eq!(f.first.as_ref().unwrap().tokens, vec![12]);
+        // A prompt ending a line (a chat turn opened) or in a special token is left alone.
+        for end in [3, 11] {
+            let (mut same, mut prompt) = (t.clone(), vec![0, end]);
+            same.heal_prompt_end(&mut prompt, &v);
+            assert_eq!((same, prompt), (t.clone(), vec![0, end]));
+        }
     }
 
     #[test]
