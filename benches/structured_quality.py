@@ -9,7 +9,11 @@ No dependencies beyond the standard library (and chat_quality.py's server helper
 ("What is 23 + 16? Answer in JSON.", trained to answer `{"answer": 39}`) goes to `refusion serve`'s `/v1/chat/completions`:
 - `free`: no constraint, slot decoding (the model's own JSON);
 - `schema`: `response_format` json_schema (`{"answer": integer}`, or an array of integers
-  for the list questions), which decodes left to right with every token masked by the grammar;
+  for the list questions), slot decoding at the answer's frontier (the default strategy):
+  the schema's forced text committed without a forward, each slot drafted and verified with
+  every token masked by the grammar;
+- `schema_ar`: the same schema decoded left to right (`"strategy": "ar"`), one token a forward
+  (the forced text without a forward too);
 - `skeleton`: the schema's fixed text as known spans and the value as a gap
   (`{"answer": {{gap}}}` with `"infill": true`), decoded by slots in any order, unconstrained.
 Each answer is judged as the client gets it: valid (the text parses and the schema holds),
@@ -43,7 +47,9 @@ def holds(value, want):
 def ask(base, h, way):
     want = json.loads(h["response"])["answer"]
     body = {"messages": list(h["messages"]), "max_tokens": 64}
-    if way == "schema":
+    if way in ("schema", "schema_ar"):
+        if way == "schema_ar":
+            body["strategy"] = "ar"
         body["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "answer", "schema": schema_for(want)}}
     elif way == "skeleton":
@@ -72,7 +78,7 @@ def main():
     ap.add_argument("-t", "--threads", type=int, default=2)
     a = ap.parse_args()
     held = [h for h in json.load(open(a.chats)) if h["kind"] == "json"]
-    ways = ["free", "schema", "skeleton"]
+    ways = ["free", "schema", "schema_ar", "skeleton"]
     out = {w: {"valid": 0, "right": 0, "tokens": 0, "forwards": 0, "ms": 0.0, "wrong": []} for w in ways}
     with serving(a.refusion, a.model, a.threads) as base:
         for h in held:

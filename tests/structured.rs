@@ -216,9 +216,19 @@ fn required_tool_calls_are_written_and_read_on_both_apis() {
         name += d["function"]["name"].as_str().unwrap_or("");
         arguments += d["function"]["arguments"].as_str().unwrap_or("");
     }
-    assert_eq!(name, "weather", "{text}");
+    // The call the same request gets whole (the random model picks its function).
+    let mut whole = body.clone();
+    whole["stream"] = json!(false);
+    let v = server.post_json("/v1/chat/completions", &whole);
+    let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+    assert_eq!(name, call["name"].as_str().unwrap(), "{text}");
     let args: Value = serde_json::from_str(&arguments).unwrap();
-    assert!(args["unit"] == "c" || args["unit"] == "f", "{args}");
+    let want: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, want, "{text}");
+    match name.as_str() {
+        "weather" => assert!(args["unit"] == "c" || args["unit"] == "f", "{args}"),
+        _ => assert!(args["a"].is_boolean(), "{args}"),
+    }
     // The call and the tool's answer go back in (rendered by the template).
     let body = json!({"messages": [
         {"role": "user", "content": "What is the weather in Oslo?"},
@@ -337,4 +347,79 @@ fn chat_answers_follow_the_grammar() {
     }
     let o = run(&["chat", "-m", "/nonexistent.gguf", "--grammar", "root ::= x"]);
     assert_fails_with(&o, &["--grammar: rule 'x' is used but not defined"]);
+}
+
+/// Slot decoding under a schema (the default strategy) against left-to-right decoding under
+/// it, on the trained tiny model's held-out JSON questions at f32: every answer valid, the
+/// schema's forced first text (`{"answer": `) fed with the prompt without a forward of its
+/// own, and fewer forwards in all than one a token (`tests/guided.rs` checks the steps).
+#[test]
+fn slots_under_a_schema_answer_in_fewer_forwards_than_ar() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = trained_tiny_gguf(tmp.path(), "f32");
+    let chats: Value =
+        serde_json::from_slice(&std::fs::read(trained_tiny().join("heldout_chats.json")).unwrap())
+            .unwrap();
+    let questions: Vec<&Value> = chats
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|h| h["kind"] == "json")
+        .take(12)
+        .collect();
+    assert!(questions.len() >= 10);
+    let (mut slots_forwards, mut ar_forwards, mut right) = (0, 0, 0);
+    for h in questions {
+        let want: Value = serde_json::from_str(h["response"].as_str().unwrap()).unwrap();
+        let value = match want["answer"].is_array() {
+            true => json!({"type": "array", "items": {"type": "integer"}}),
+            false => json!({"type": "integer"}),
+        };
+        let schema = json!({"type": "object", "properties": {"answer": value},
+                            "required": ["answer"], "additionalProperties": false})
+        .to_string();
+        let question = h["messages"][0]["content"].as_str().unwrap();
+        let decode = |strategy: &str| -> Value {
+            let o = run(&[
+                "generate",
+                "-m",
+                model.to_str().unwrap(),
+                "-p",
+                question,
+                "-j",
+                &schema,
+                "--strategy",
+                strategy,
+                "--json",
+            ]);
+            assert!(o.status.success(), "{}", stderr(&o));
+            serde_json::from_str(&stdout(&o)).unwrap()
+        };
+        for (strategy, forwards) in [("slots", &mut slots_forwards), ("ar", &mut ar_forwards)] {
+            let v = decode(strategy);
+            let text = v["text"].as_str().unwrap();
+            let got: Value = serde_json::from_str(text).unwrap_or_else(|_| panic!("{text}"));
+            assert_eq!(got.as_object().unwrap().len(), 1, "{text}");
+            assert_eq!(
+                got["answer"].is_array(),
+                want["answer"].is_array(),
+                "{text}"
+            );
+            right += (got == want) as usize;
+            // The forced `{"answer": ` went in with the prompt: no forward of its own.
+            let prompt = v["prompt_tokens"].as_u64().unwrap();
+            let masks = match strategy {
+                "slots" => v["params"]["slot_size"].as_u64().unwrap(),
+                _ => 0,
+            };
+            assert_eq!(v["forward_sizes"][0], prompt + 1 + masks, "{v}");
+            *forwards += v["forward_calls"].as_u64().unwrap();
+        }
+    }
+    assert!(
+        slots_forwards * 4 < ar_forwards * 3,
+        "{slots_forwards} against {ar_forwards}"
+    );
+    // The tiny model knows its sums: both ways are right more often than not.
+    assert!(right > 12, "{right} of 24 right");
 }

@@ -235,6 +235,10 @@ pub struct Knobs {
     /// it came from.
     #[serde(skip)]
     pub forced: Option<(Format, &'static str)>,
+    /// Tool calls' grammar when the model may call (`tool_choice: "auto"`), held from where it
+    /// opens a call; a format above wins over it.
+    #[serde(skip)]
+    pub calls: Option<Format>,
     #[serde(flatten)]
     pub sampling: Sampling,
 }

@@ -327,6 +327,7 @@ pub async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
         template,
         format,
         read_calls: false,
+        calls: None,
     };
     answer(
         state,
@@ -375,6 +376,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         template: None,
         format,
         read_calls: plan.read_calls,
+        calls: plan.calls,
     };
     answer(state, job, &req.options, stream, piece).await
 }
@@ -387,6 +389,8 @@ struct Job {
     format: Option<Format>,
     /// Read tool calls out of the answer into the message's `tool_calls`.
     read_calls: bool,
+    /// The tools' grammar, held from where the model opens a call.
+    calls: Option<Format>,
 }
 
 /// Runs the job and answers in ollama's shapes: `piece(text)` holds the text of one object.
@@ -402,6 +406,7 @@ async fn answer(
         Err(e) => return error(e),
     };
     knobs.forced = job.format.map(|f| (f, "format"));
+    knobs.calls = job.calls;
     let read_calls = job.read_calls;
     let start = Instant::now();
     let (rx, guard, _) = match submit(&state, job.input, knobs, job.template).await {

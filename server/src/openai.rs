@@ -61,6 +61,7 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
     if let Some(f) = plan.forced.clone() {
         req.knobs.forced = Some((f, "tool_choice"));
     }
+    req.knobs.calls = plan.calls.clone();
     let stream = req.knobs.stream;
     if req.knobs.decode_events && !stream {
         return Err(ApiError::bad_request(

@@ -80,6 +80,15 @@ impl Preparer {
         }
         if let Some((format, field)) = knobs.format()? {
             params = self.constrained(params, &format, field)?;
+        } else if let Some(calls) = &knobs.calls {
+            // A call the model opens is written in the tools' grammar.
+            let guide = self.tokenizer.guides()?.compile_calls(calls);
+            let guide =
+                guide.map_err(|e| ApiError::bad_request(format!("tools: {e}")).param("tools"))?;
+            params = params.with_guide(Arc::new(guide));
+            params
+                .validate()
+                .map_err(|e| ApiError::bad_request(format!("tools: {e}")).param("tools"))?;
         }
         let mut prompt = self.prompt(input)?;
         if let (

@@ -20,6 +20,9 @@ pub struct ToolPlan {
     pub read_calls: bool,
     /// A call is required (`tool_choice: "required"` or a named function): the grammar of one.
     pub forced: Option<Format>,
+    /// The model may call (`tool_choice: "auto"`): the grammar of its calls, held from where
+    /// it opens one (`<tool_call>`) on.
+    pub calls: Option<Format>,
 }
 
 fn bad(message: String, field: &str) -> ApiError {
@@ -97,6 +100,7 @@ pub fn plan(
             tools: Some(list.clone()),
             read_calls: true,
             forced: Some(forced),
+            calls: None,
         })
     };
     match choice {
@@ -109,6 +113,7 @@ pub fn plan(
                     tools: Some(list.clone()),
                     read_calls: true,
                     forced: tools::grammar(&fns, None, parallel.unwrap_or(true)),
+                    calls: None,
                 })
             }
             other => {
@@ -133,6 +138,7 @@ pub fn plan(
         tools: Some(list.clone()),
         read_calls: true,
         forced: None,
+        calls: tools::grammar(&fns, None, parallel.unwrap_or(true)),
     })
 }
 

@@ -13,7 +13,7 @@ use refusion_engine::decode::DecodeParams;
 #[derive(Args, Clone, Debug, Default)]
 pub struct GrammarArgs {
     /// Constrain the answer to this GBNF grammar (llama.cpp's; `root` is the start). The
-    /// answer is then decoded left to right, each token masked by the grammar.
+    /// answer is then decoded at its frontier, each token masked by the grammar.
     #[arg(long, value_name = "GBNF", conflicts_with_all = ["grammar_file", "json_schema", "json_schema_file"])]
     grammar: Option<String>,
     /// --grammar, read from a file.

@@ -335,10 +335,48 @@ impl Tokenizer {
                         false => self.raw_bytes(id).to_vec(),
                     })
                     .collect();
-                crate::constrain::Guides::new(&words, eos).map_err(|e| e.to_string())
+                let tokenize = self.forced_tokenizer();
+                crate::constrain::Guides::new(&words, eos, Some(tokenize))
+                    .map_err(|e| e.to_string())
             })
             .as_ref()
             .map_err(|e| Error::model(e.clone()))
+    }
+
+    /// Forced text (a grammar's) in this tokenizer's ids, less its last word: the tokenizer
+    /// splits text into words (an added token is one) before merging bytes, so only the last
+    /// word can join what follows; an added token stays unless a longer one begins with it.
+    fn forced_tokenizer(&self) -> crate::constrain::Tokenize {
+        let mut plain = self.inner.clone();
+        // Forced text is text: a control token's name written in it is characters.
+        plain.set_encode_special_tokens(true);
+        let added: Vec<(u32, String)> = plain
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| !t.special)
+            .map(|(id, t)| (id, t.content))
+            .collect();
+        let closed: std::collections::HashSet<u32> = added
+            .iter()
+            .filter(|(_, c)| {
+                !added
+                    .iter()
+                    .any(|(_, o)| o.len() > c.len() && o.starts_with(c.as_str()))
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        Box::new(move |text: &str| {
+            let Ok(enc) = plain.encode(text, false) else {
+                return Vec::new();
+            };
+            let (ids, words) = (enc.get_ids(), enc.get_word_ids());
+            let Some(&last) = words.last() else {
+                return Vec::new();
+            };
+            let first_of_last = words.iter().position(|&w| w == last).unwrap_or(0);
+            let whole = ids.len() - first_of_last == 1 && closed.contains(&ids[first_of_last]);
+            ids[..if whole { ids.len() } else { first_of_last }].to_vec()
+        })
     }
 
     /// The text of `ids` as bytes, end to end (control tokens give none).

@@ -8,8 +8,11 @@
 //! - one [`Constraint`] per decode, which the left-to-right strategy asks for the tokens
 //!   allowed next and tells the token it chose.
 //!
-//! A constrained answer is decoded left to right: slot decoding commits tokens it drafted in
-//! parallel and infilled out of order, which a left-to-right grammar cannot vouch for.
+//! A grammar reads an answer left to right, so a constrained answer is decoded at its frontier:
+//! left to right one token a forward (`ar`), or slot decoding's plan and verify on the slot
+//! after the committed text (`slots`, [`crate::decode`]'s guided decoder). Either way the text
+//! the grammar forces (a schema's keys and brackets, a tool call's tags) is committed without
+//! the model ([`Constraint::forced`]).
 
 pub mod gbnf;
 pub mod tools;
@@ -83,14 +86,37 @@ pub struct Guides {
     /// The trie's end-of-sequence token (the tokenizer's), which the grammar allows where
     /// it is complete.
     trie_eos: u32,
+    tokenize: Option<Shared>,
+    vocab: usize,
+    /// The tokens whose text opens a tool call (`<tool_call>`...).
+    opens_call: Arc<Vec<u32>>,
 }
+
+/// [`Tokenize`] shared by the guides, their grammars and each decode's constraint.
+type Shared = Arc<dyn Fn(&str) -> Vec<u32> + Send + Sync>;
+
+/// The model's own tokenizer as [`Guides`] takes it: the ids of forced text that no text after
+/// it can tokenize differently (its last word may merge with what follows: left out).
+pub type Tokenize = Box<dyn Fn(&str) -> Vec<u32> + Send + Sync>;
 
 impl Guides {
     /// Over `words`, each token's bytes (a control token's as `0xFF` and its text, how
-    /// llguidance names special tokens), with `eos` the end of an answer.
-    pub fn new(words: &[Vec<u8>], eos: u32) -> Result<Guides> {
+    /// llguidance names special tokens), with `eos` the end of an answer. With the model's
+    /// `tokenize`, the text a grammar forces is committed without the model
+    /// ([`Constraint::forced`]); without it nothing is forced.
+    ///
+    /// llguidance forces tokens itself only through a canonical tokenizer, and then keeps
+    /// none whose bytes some longer token of the vocabulary could continue (a Qwen vocabulary
+    /// nearly always has one): the model's tokenizer knows better what it would write.
+    pub fn new(words: &[Vec<u8>], eos: u32, tokenize: Option<Tokenize>) -> Result<Guides> {
         let info = TokRxInfo::new(words.len() as u32, eos);
         let trie = TokTrie::from(&info, words);
+        let opens_call = words
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.starts_with(tools::OPEN.as_bytes()))
+            .map(|(id, _)| id as u32)
+            .collect();
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory = ParserFactory::new(&env, InferenceCapabilities::default(), &[])
             .map_err(|e| Error::model(format!("the grammar engine: {e}")))?;
@@ -98,6 +124,9 @@ impl Guides {
         Ok(Guides {
             factory,
             trie_eos: eos,
+            tokenize: tokenize.map(Arc::from),
+            vocab: words.len(),
+            opens_call: Arc::new(opens_call),
         })
     }
 
@@ -114,8 +143,29 @@ impl Guides {
             proto,
             format: format.clone(),
             trie_eos: self.trie_eos,
+            tokenize: self.tokenize.clone(),
+            lazy: None,
         })
     }
+
+    /// Tool calls' `format` ([`tools::grammar`]) held only from where the answer opens a call
+    /// (a token whose text begins `<tool_call>`): the text before it is free (llama.cpp's lazy
+    /// grammars, for `tool_choice: "auto"`).
+    pub fn compile_calls(&self, format: &Format) -> std::result::Result<Guide, RequestError> {
+        let mut g = self.compile(format)?;
+        g.lazy = Some(Trigger {
+            opens: self.opens_call.clone(),
+            vocab: self.vocab,
+        });
+        Ok(g)
+    }
+}
+
+/// What opens a lazy grammar: these tokens, in a vocabulary of `vocab`.
+#[derive(Clone)]
+struct Trigger {
+    opens: Arc<Vec<u32>>,
+    vocab: usize,
 }
 
 /// A compiled grammar, ready to constrain any number of decodes.
@@ -123,6 +173,9 @@ pub struct Guide {
     proto: TokenParser,
     pub format: Format,
     trie_eos: u32,
+    tokenize: Option<Shared>,
+    /// Held only from a trigger on ([`Guides::compile_calls`]).
+    lazy: Option<Trigger>,
 }
 
 impl std::fmt::Debug for Guide {
@@ -135,7 +188,7 @@ impl std::fmt::Debug for Guide {
 
 impl PartialEq for Guide {
     fn eq(&self, other: &Guide) -> bool {
-        self.format == other.format
+        self.format == other.format && self.lazy.is_some() == other.lazy.is_some()
     }
 }
 
@@ -145,7 +198,17 @@ impl Guide {
         Constraint {
             m: Matcher::new(Ok(self.proto.deep_clone())),
             trie_eos: self.trie_eos,
+            tokenize: self.tokenize.clone(),
+            lazy: self.lazy.clone().map(|trigger| Lazy {
+                trigger,
+                log: Vec::new(),
+            }),
         }
+    }
+
+    /// Whether the grammar holds only from a trigger on (tool calls in `auto`).
+    pub fn is_lazy(&self) -> bool {
+        self.lazy.is_some()
     }
 }
 
@@ -153,6 +216,21 @@ impl Guide {
 pub struct Constraint {
     m: Matcher,
     trie_eos: u32,
+    tokenize: Option<Shared>,
+    lazy: Option<Lazy>,
+}
+
+/// A lazy grammar's place: for each token accepted, whether the grammar took it (from the
+/// trigger on); before the trigger every token is allowed.
+struct Lazy {
+    trigger: Trigger,
+    log: Vec<bool>,
+}
+
+impl Lazy {
+    fn open(&self) -> bool {
+        self.log.last() == Some(&true)
+    }
 }
 
 /// The tokens a constraint allows next.
@@ -177,16 +255,50 @@ impl Allowed {
             }
         });
     }
+
+    /// `row` with what is not allowed at minus infinity, in `buf`; `eos` (the model's end of
+    /// an answer) kept where the answer may end. `None` when no token is left with a finite
+    /// logit.
+    pub fn mask<'b>(&self, row: &[f32], eos: u32, buf: &'b mut Vec<f32>) -> Option<&'b [f32]> {
+        buf.clear();
+        buf.resize(row.len(), f32::NEG_INFINITY);
+        let mut any = false;
+        self.each(|t| {
+            if let Some(&x) = row.get(t as usize) {
+                buf[t as usize] = x;
+                any |= x > f32::NEG_INFINITY;
+            }
+        });
+        if self.may_end {
+            if let Some(&x) = row.get(eos as usize) {
+                buf[eos as usize] = x;
+                any |= x > f32::NEG_INFINITY;
+            }
+        }
+        any.then_some(buf.as_slice())
+    }
 }
 
 impl Constraint {
+    /// Whether a lazy grammar has not been opened yet (every token is allowed).
+    fn waiting(&self) -> bool {
+        self.lazy.as_ref().is_some_and(|l| !l.open())
+    }
+
     /// The grammar is complete and allows nothing more: the answer ends here.
     pub fn finished(&self) -> bool {
-        self.m.is_stopped()
+        !self.waiting() && self.m.is_stopped()
     }
 
     /// The tokens allowed next.
     pub fn allowed(&mut self) -> Result<Allowed> {
+        if let Some(l) = self.lazy.as_ref().filter(|l| !l.open()) {
+            return Ok(Allowed {
+                mask: SimpleVob::alloc_ones(l.trigger.vocab),
+                may_end: true,
+                trie_eos: self.trie_eos,
+            });
+        }
         let mask = self
             .m
             .compute_mask()
@@ -204,9 +316,62 @@ impl Constraint {
 
     /// `tok` was chosen (one [`Constraint::allowed`] allowed).
     pub fn accept(&mut self, tok: u32) -> Result<()> {
+        if let Some(l) = &mut self.lazy {
+            let takes = l.open() || l.trigger.opens.contains(&tok);
+            l.log.push(takes);
+            if !takes {
+                return Ok(());
+            }
+        }
         self.m
             .consume_token(tok)
             .map_err(|e| Error::internal(format!("the grammar refused token {tok}: {e}")))
+    }
+
+    /// The tokens the grammar allows alone from here (`{"answer": ` of a schema, a tool
+    /// call's tags), accepted: the caller commits them without asking the model. The forced
+    /// text in the model's own tokenization, less its last word (what follows may join it);
+    /// none unless the guides have the model's tokenizer.
+    pub fn forced(&mut self) -> Result<Vec<u32>> {
+        if self.waiting() {
+            return Ok(Vec::new());
+        }
+        let Some(tokenize) = &self.tokenize else {
+            return Ok(Vec::new());
+        };
+        if self.m.is_stopped() {
+            return Ok(Vec::new());
+        }
+        let bytes = self.m.compute_ff_bytes();
+        if let Some(e) = self.m.get_error() {
+            return Err(Error::internal(format!("the grammar: {e}")));
+        }
+        let Ok(text) = std::str::from_utf8(&bytes) else {
+            return Ok(Vec::new());
+        };
+        if text.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids = tokenize(text);
+        let n = self
+            .m
+            .try_consume_tokens(&ids)
+            .map_err(|e| Error::internal(format!("the grammar: {e}")))?;
+        if let Some(l) = &mut self.lazy {
+            l.log.extend(std::iter::repeat_n(true, n));
+        }
+        Ok(ids[..n].to_vec())
+    }
+
+    /// Takes back the last `n` accepted tokens (a draft tried against the grammar).
+    pub fn rollback(&mut self, mut n: usize) -> Result<()> {
+        if let Some(l) = &mut self.lazy {
+            let keep = l.log.len().saturating_sub(n);
+            n = l.log.drain(keep..).filter(|&took| took).count();
+        }
+        self.m
+            .rollback(n)
+            .map_err(|e| Error::internal(format!("the grammar: {e}")))
     }
 }
 
@@ -222,7 +387,7 @@ mod tests {
         }
         words.push(b"\xff<|im_end|>".to_vec());
         let eos = words.len() as u32 - 1;
-        Guides::new(&words, eos).unwrap()
+        Guides::new(&words, eos, None).unwrap()
     }
 
     /// Feeds `text` one byte-token at a time; the byte where it was refused, if any.

@@ -7,7 +7,7 @@ use serde_json::{json, Value as Json};
 
 use super::Format;
 
-const OPEN: &str = "<tool_call>";
+pub(crate) const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
 
 /// A function the caller offers: its name and its parameters' JSON Schema.

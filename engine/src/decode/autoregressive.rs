@@ -34,6 +34,8 @@ pub struct Autoregressive {
     constraint: Option<Constraint>,
     /// The logits with what the grammar forbids at minus infinity (sampling under a grammar).
     masked: Vec<f32>,
+    /// Whether the first poll has committed what the grammar forces first.
+    started: bool,
 }
 
 impl Autoregressive {
@@ -56,6 +58,7 @@ impl Autoregressive {
             batch: Batch::default(),
             constraint: params.guide.as_ref().map(|g| g.start()),
             masked: Vec::new(),
+            started: false,
         }
     }
 }
@@ -129,22 +132,47 @@ impl Autoregressive {
         Ok(tok)
     }
 
+    /// Commits `tok` after what is to be fed, and queues it to be fed.
     fn commit(&mut self, tok: u32, on_event: &mut dyn FnMut(Event<'_>)) {
-        let pos = self.next_pos;
+        let pos = self.next_pos + self.feed.len() as u32;
         self.tokens.push(tok);
         self.positions.push(pos);
         on_event(Event::Committed {
             positions: &[pos],
             tokens: &[tok],
         });
-        self.feed.clear();
         self.feed.push(tok);
         self.done = tok == self.p.eos_id || self.tokens.len() >= self.p.gen_length as usize;
+    }
+
+    /// Commits the text the grammar forces from here (fed with the next forward), and the end
+    /// of the answer when the grammar is complete and allows nothing more.
+    fn force(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Result<()> {
+        let Some(c) = self.constraint.as_mut() else {
+            return Ok(());
+        };
+        let forced = c.forced()?;
+        let finished = c.finished();
+        for tok in forced {
+            if self.done {
+                return Ok(());
+            }
+            self.commit(tok, on_event);
+        }
+        if finished && !self.done {
+            self.commit(self.p.eos_id, on_event);
+        }
+        Ok(())
     }
 }
 
 impl Strategy for Autoregressive {
-    fn poll(&mut self, _on_event: &mut dyn FnMut(Event<'_>)) -> Result<Poll<'_>> {
+    fn poll(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Result<Poll<'_>> {
+        if !self.started {
+            // What the grammar forces first goes in with the prompt.
+            self.started = true;
+            self.force(on_event)?;
+        }
         if self.done {
             return Ok(Poll::Done);
         }
@@ -176,14 +204,11 @@ impl Strategy for Autoregressive {
         self.forward_sizes.push(n as u32);
         cache.commit_row(0)?;
         self.next_pos += n as u32;
+        self.feed.clear();
         let tok = self.pick(logits.row(0))?;
         self.commit(tok, on_event);
-        // A grammar that is complete and allows nothing more ends the answer without another
-        // forward.
-        let finished = self.constraint.as_ref().is_some_and(|c| c.finished());
-        if finished && !self.done {
-            self.next_pos += 1;
-            self.commit(self.p.eos_id, on_event);
+        if !self.done {
+            self.force(on_event)?;
         }
         Ok(())
     }
@@ -265,7 +290,7 @@ mod tests {
         let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
         words.push(b"\xff<|im_end|>".to_vec());
         words.push(b"\xff<|mask|>".to_vec());
-        let guides = Guides::new(&words, 256).unwrap();
+        let guides = Guides::new(&words, 256, None).unwrap();
         let guide = guides.compile(&Format::Gbnf(gbnf.into())).unwrap();
         let mut p = DecodeParams::new(refusion_gguf::DecodingDefaults::default(), 256, 257)
             .with_guide(Arc::new(guide));

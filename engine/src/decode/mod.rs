@@ -12,6 +12,7 @@
 
 mod autoregressive;
 mod fit;
+mod guided;
 mod infill;
 mod noise;
 mod overrides;

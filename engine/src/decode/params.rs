@@ -27,8 +27,8 @@ pub struct DecodeParams {
     /// The answer's known spans and gaps, for [`super::Kind::Infill`] (none: one gap of the
     /// gen length).
     pub template: Option<Arc<Template>>,
-    /// The grammar the answer must follow (JSON, a schema, a tool call...): decoded left to
-    /// right, each token masked by it ([`DecodeParams::with_guide`]).
+    /// The grammar the answer must follow (JSON, a schema, a tool call...): decoded at the
+    /// answer's frontier, each token masked by it ([`DecodeParams::with_guide`]).
     pub guide: Option<Arc<crate::constrain::Guide>>,
 }
 
@@ -67,14 +67,11 @@ impl DecodeParams {
         self
     }
 
-    /// Constrains the answer to `guide`'s grammar. Constrained answers are decoded left to
-    /// right (slot decoding commits drafted and infilled tokens a grammar cannot check in
-    /// order), so slot decoding gives way to left-to-right decoding; a template's gaps cannot
-    /// be constrained ([`Self::validate`] refuses).
+    /// Constrains the answer to `guide`'s grammar, which reads it left to right: slot
+    /// decoding then decodes the slot at the answer's frontier each step (`guided.rs`), `ar`
+    /// one token a forward; a template's gaps cannot be constrained ([`Self::validate`]
+    /// refuses).
     pub fn with_guide(mut self, guide: Arc<crate::constrain::Guide>) -> DecodeParams {
-        if self.strategy == super::Kind::Slots {
-            self.strategy = super::Kind::Autoregressive;
-        }
         self.guide = Some(guide);
         self
     }
@@ -169,9 +166,9 @@ impl DecodeParams {
             )));
         }
         if let Some(g) = &self.guide {
-            if self.strategy != super::Kind::Autoregressive || self.template.is_some() {
+            if method.fills_gaps() || self.template.is_some() {
                 return Err(RequestError::Grammar(format!(
-                    "an answer constrained to a {} is decoded left to right (strategy 'ar'), without a template's gaps",
+                    "an answer constrained to a {} is read left to right (strategy 'slots' or 'ar'), without a template's gaps",
                     g.format.describe()
                 )));
             }

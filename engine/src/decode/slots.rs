@@ -697,16 +697,28 @@ impl super::strategy::Method for Slots {
     fn aliases(&self) -> &'static [&'static str] {
         &["slot"]
     }
-    /// One serial block: the planning forward's masks.
+    /// One serial block: the planning forward's masks (under a grammar, one slot's).
     fn scratch(&self, params: &DecodeParams) -> usize {
-        params.block_len() as usize
+        match params.guide {
+            Some(_) => params.slot_size as usize,
+            None => params.block_len() as usize,
+        }
     }
+    /// Under a grammar, the slot at the answer's frontier each step ([`super::guided`]).
     fn start(
         &self,
         prompt: &[u32],
         cached: usize,
         params: &DecodeParams,
     ) -> Box<dyn super::Strategy> {
-        Box::new(SlotDecoder::new(prompt, cached, params))
+        match &params.guide {
+            Some(g) => Box::new(super::guided::Guided::new(
+                prompt,
+                cached,
+                params,
+                g.start(),
+            )),
+            None => Box::new(SlotDecoder::new(prompt, cached, params)),
+        }
     }
 }
