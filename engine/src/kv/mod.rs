@@ -97,6 +97,19 @@ impl<'a> HeadView<'a> {
         self.f32
     }
 
+    /// Slot `slot`'s row read into `buf` as f32 (`head_dim` long).
+    #[inline]
+    pub fn read_into(&self, slot: usize, buf: &mut [f32]) {
+        match self.f32 {
+            Some(all) => buf.copy_from_slice(&all[slot * buf.len()..(slot + 1) * buf.len()]),
+            None => {
+                let rb = self.row_bytes;
+                self.kind
+                    .read_row(&self.bytes[slot * rb..(slot + 1) * rb], buf);
+            }
+        }
+    }
+
     /// Slot `slot`'s row as f32: borrowed in place from an f32 cache, else read into `buf`
     /// (`head_dim` long).
     #[inline]

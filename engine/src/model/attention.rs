@@ -374,6 +374,19 @@ pub fn attend(
                     unsafe { block.run_f32_avx2(k, v, &out_ptr) };
                     continue;
                 }
+                // Another type: the rows the block sees decoded into f32 at their slots, then
+                // the same kernels (the portable loop reads the same decoded rows: the same
+                // values, to the bit).
+                DECODED.with(|cell| {
+                    let mut cell = cell.borrow_mut();
+                    let (k, v) = &mut *cell;
+                    block.decode_seen(&keys, k, cache.shape().capacity);
+                    block.decode_seen(&values, v, cache.shape().capacity);
+                    // SAFETY: as above; every slot the block sees was decoded into `k` and
+                    // `v`, which hold `capacity` rows.
+                    unsafe { block.run_f32_avx2(k, v, &out_ptr) };
+                });
+                continue;
             }
             block.run_portable(&keys, &values, &out_ptr, avx2);
         }
@@ -490,6 +503,32 @@ struct Block<'a> {
     prefix: &'a [Segment],
     stride: usize,
     scale: f32,
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// A cache of another type than f32, decoded for the fast path: the rows a block sees, at
+    /// their slots (K, V).
+    static DECODED: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Block<'_> {
+    /// The rows of `view` this block's tokens see (the shared prefix, each row's entries),
+    /// decoded into `buf` at their slots (`capacity` rows; the rest is left as it was).
+    fn decode_seen(&self, view: &HeadView<'_>, buf: &mut Vec<f32>, capacity: usize) {
+        let hd = self.head_dim;
+        if buf.len() < capacity * hd {
+            buf.resize(capacity * hd, 0.0);
+        }
+        let prefix = self.prefix.iter().flat_map(|s| s.start..s.start + s.len);
+        let rows = self
+            .rows()
+            .flat_map(|(j, most)| self.vis(j).row_slots[..most].iter().copied());
+        for slot in prefix.chain(rows) {
+            view.read_into(slot, &mut buf[slot * hd..(slot + 1) * hd]);
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

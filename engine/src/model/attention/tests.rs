@@ -13,14 +13,14 @@ fn lcg(seed: &mut u64) -> f32 {
 /// The fast paths (AVX-512 where the CPU has it, AVX2) give the portable loop's floats to the
 /// bit, for head sizes with and without a tail, one and several tokens, prefixes, tokens of
 /// several rows interleaved and of one row (a planning forward's masks), GQA groups of 1 to 9
-/// heads.
+/// heads; over an f32 cache and over the other types (decoded for the fast path).
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn the_fast_path_gives_the_portable_loops_floats() {
     if !has_avx2() {
         return;
     }
-    for (hd, nkv, nh, prefix, n, n_rows) in [
+    for case in [
         (128, 2, 8, 40, 5, 3),
         (24, 2, 6, 9, 11, 3),
         (64, 1, 3, 0, 3, 3),
@@ -28,14 +28,28 @@ fn the_fast_path_gives_the_portable_loops_floats() {
         (128, 8, 16, 30, 37, 1),
         (136, 2, 4, 12, 19, 2),
         (40, 4, 4, 5, 10, 1),
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|c| {
+        [
+            CacheType::F32,
+            CacheType::F16,
+            CacheType::Bf16,
+            CacheType::Q8_0,
+            CacheType::Q4_0,
+        ]
+        .into_iter()
+        .filter(move |t| t.check_head_dim(c.0).is_ok())
+        .map(move |t| (c, t))
+    }) {
+        let ((hd, nkv, nh, prefix, n, n_rows), ty) = case;
         let shape = CacheShape {
             n_layers: 1,
             n_kv_heads: nkv,
             head_dim: hd,
             capacity: 256,
         };
-        let mut cache = KvCache::new(shape, CacheType::F32).unwrap();
+        let mut cache = KvCache::new(shape, ty).unwrap();
         let mut seed = 9u64;
         let mut fill = |cache: &mut KvCache, rows: &[u32]| {
             let pos: Vec<u32> = (0..rows.len() as u32).collect();
@@ -85,11 +99,13 @@ fn the_fast_path_gives_the_portable_loops_floats() {
         };
         assert!(
             same(&run(1)),
-            "head_dim {hd}: the AVX2 path differs from the portable loop"
+            "head_dim {hd}, {}: the AVX2 path differs from the portable loop",
+            ty.name()
         );
         assert!(
             same(&run(0)),
-            "head_dim {hd}: the AVX-512 path differs from the portable loop"
+            "head_dim {hd}, {}: the AVX-512 path differs from the portable loop",
+            ty.name()
         );
     }
 }
