@@ -58,9 +58,6 @@ pub struct ModelSizes {
     pub output_repack: u64,
     /// K and V of one layer for one token.
     pub kv_per_layer_token: u64,
-    /// The cache's rows are not f32: the CPU's attention decodes the rows it reads into f32
-    /// (a K and a V row per context entry, per thread).
-    pub kv_decoded: bool,
     pub hidden: u64,
     pub ffn: u64,
     pub n_heads: u64,
@@ -113,7 +110,6 @@ impl ModelSizes {
             output_repack,
             kv_per_layer_token: (2 * cfg.n_kv_heads * cache_type.kind().row_bytes(cfg.head_dim))
                 as u64,
-            kv_decoded: cache_type != CacheType::F32,
             hidden: cfg.hidden as u64,
             ffn: cfg.ffn as u64,
             n_heads: cfg.n_heads as u64,
@@ -132,8 +128,7 @@ impl ModelSizes {
     /// layer runs, the logits of `logit_rows` tokens (and their copy out). The GPU path holds
     /// the scores of every head for one tile of the context ([`ATTN_TILE`] entries) and a
     /// running output per head; the CPU kernel one head per thread over the whole context
-    /// (counted as two), with its K and V rows decoded to f32 when the cache holds another
-    /// type.
+    /// (counted as two).
     pub fn scratch(&self, n: u64, context: u64, logit_rows: u64, gpu: bool) -> u64 {
         let qkv = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim;
         let activations = n * (6 * self.hidden + 2 * qkv + 3 * self.ffn) * 4;
@@ -142,12 +137,7 @@ impl ModelSizes {
             let tile = context.min(ATTN_TILE as u64);
             2 * self.n_heads * n * tile * 4 + 2 * self.n_heads * n * (self.head_dim + 2) * 4
         } else {
-            let decoded = if self.kv_decoded {
-                2 * 2 * context * self.head_dim * 4
-            } else {
-                0
-            };
-            2 * 2 * n * context * 4 + decoded
+            2 * 2 * n * context * 4
         };
         activations + scores + 2 * logit_rows.min(n) * self.vocab * 4
     }
@@ -473,7 +463,6 @@ mod tests {
             output_weights: 650 << 20,
             output_repack: 650 << 20,
             kv_per_layer_token: 2 * 8 * 128 * 2,
-            kv_decoded: true,
             hidden: 4096,
             ffn: 12288,
             n_heads: 32,

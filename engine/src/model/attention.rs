@@ -164,11 +164,38 @@ unsafe fn weighted_sum_avx2(
     hd: usize,
     out: &mut [f32],
 ) {
+    // SAFETY: our caller's guarantees, which are this one's.
+    unsafe { weighted_sum_avx2_from(ps, slots, values, hd, out, false) }
+}
+
+/// [`weighted_sum_avx2`], each chain starting from `out`'s values when `from_out` (a sum
+/// continued over the next slots: the same floats as one sum over all of them, in order).
+///
+/// # Safety
+///
+/// As [`weighted_sum_avx2`]'s.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_sum_avx2_from(
+    ps: &[f32],
+    slots: &[usize],
+    values: &[f32],
+    hd: usize,
+    out: &mut [f32],
+    from_out: bool,
+) {
     use std::arch::x86_64::*;
     let n8 = hd / 8 * 8;
     let mut d0 = 0;
+    let base = out.as_mut_ptr();
+    // SAFETY (the loads of `out` below, through `base`): `at + 8 <= n8 <= out.len()` (the
+    // caller), and nothing else writes `out` meanwhile.
+    let start = |at: usize| match from_out {
+        true => unsafe { _mm256_loadu_ps(base.add(at)) },
+        false => _mm256_setzero_ps(),
+    };
     while d0 + 64 <= n8 {
-        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut acc: [__m256; 8] = std::array::from_fn(|i| start(d0 + 8 * i));
         for (&p, &slot) in ps.iter().zip(slots) {
             let pv = _mm256_set1_ps(p);
             // SAFETY: `d0 + 64 <= n8 <= hd`, so the 64 values at `slot * hd + d0` are inside
@@ -182,23 +209,23 @@ unsafe fn weighted_sum_avx2(
         }
         for (i, a) in acc.iter().enumerate() {
             // SAFETY: `d0 + 8 * i + 8 <= n8 <= out.len()` (the caller).
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(d0 + 8 * i), *a) };
+            unsafe { _mm256_storeu_ps(base.add(d0 + 8 * i), *a) };
         }
         d0 += 64;
     }
     while d0 < n8 {
-        let mut a = _mm256_setzero_ps();
+        let mut a = start(d0);
         for (&p, &slot) in ps.iter().zip(slots) {
             // SAFETY: `d0 + 8 <= n8 <= hd`, inside `slot`'s entry (as above).
             let v = unsafe { _mm256_loadu_ps(values.as_ptr().add(slot * hd + d0)) };
             a = _mm256_fmadd_ps(_mm256_set1_ps(p), v, a);
         }
         // SAFETY: `d0 + 8 <= n8 <= out.len()` (the caller).
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(d0), a) };
+        unsafe { _mm256_storeu_ps(base.add(d0), a) };
         d0 += 8;
     }
     for (d, o) in out.iter_mut().enumerate().take(hd).skip(n8) {
-        let mut a = 0f32;
+        let mut a = if from_out { *o } else { 0f32 };
         for (&p, &slot) in ps.iter().zip(slots) {
             a = p.mul_add(values[slot * hd + d], a);
         }
@@ -374,18 +401,10 @@ pub fn attend(
                     unsafe { block.run_f32_avx2(k, v, &out_ptr) };
                     continue;
                 }
-                // Another type: the rows the block sees decoded into f32 at their slots, then
-                // the same kernels (the portable loop reads the same decoded rows: the same
-                // values, to the bit).
-                DECODED.with(|cell| {
-                    let mut cell = cell.borrow_mut();
-                    let (k, v) = &mut *cell;
-                    block.decode_seen(&keys, k, cache.shape().capacity);
-                    block.decode_seen(&values, v, cache.shape().capacity);
-                    // SAFETY: as above; every slot the block sees was decoded into `k` and
-                    // `v`, which hold `capacity` rows.
-                    unsafe { block.run_f32_avx2(k, v, &out_ptr) };
-                });
+                // Another type: its rows decoded a tile at a time into the same kernels.
+                // SAFETY: the CPU has AVX2 and FMA; this task writes only its own tokens'
+                // heads of `out`; at most MAX_QUERIES queries (checked just above).
+                unsafe { block.run_coded_avx2(&keys, &values, &out_ptr) };
                 continue;
             }
             block.run_portable(&keys, &values, &out_ptr, avx2);
@@ -503,32 +522,6 @@ struct Block<'a> {
     prefix: &'a [Segment],
     stride: usize,
     scale: f32,
-}
-
-#[cfg(target_arch = "x86_64")]
-thread_local! {
-    /// A cache of another type than f32, decoded for the fast path: the rows a block sees, at
-    /// their slots (K, V).
-    static DECODED: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Block<'_> {
-    /// The rows of `view` this block's tokens see (the shared prefix, each row's entries),
-    /// decoded into `buf` at their slots (`capacity` rows; the rest is left as it was).
-    fn decode_seen(&self, view: &HeadView<'_>, buf: &mut Vec<f32>, capacity: usize) {
-        let hd = self.head_dim;
-        if buf.len() < capacity * hd {
-            buf.resize(capacity * hd, 0.0);
-        }
-        let prefix = self.prefix.iter().flat_map(|s| s.start..s.start + s.len);
-        let rows = self
-            .rows()
-            .flat_map(|(j, most)| self.vis(j).row_slots[..most].iter().copied());
-        for slot in prefix.chain(rows) {
-            view.read_into(slot, &mut buf[slot * hd..(slot + 1) * hd]);
-        }
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -820,5 +813,7 @@ impl SharedOut {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod coded;
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests;

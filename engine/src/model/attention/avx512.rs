@@ -183,6 +183,25 @@ pub(super) unsafe fn weighted_sum_avx512<const G: usize>(
     hd: usize,
     out: [*mut f32; G],
 ) {
+    // SAFETY: our caller's guarantees, which are this one's.
+    unsafe { weighted_sum_avx512_from(ps, slots, values, hd, out, false) }
+}
+
+/// [`weighted_sum_avx512`], each chain starting from `out`'s values when `from_out` (a sum
+/// continued over the next slots: the same floats as one sum over all of them, in order).
+///
+/// # Safety
+///
+/// As [`weighted_sum_avx512`]'s (each `out[h]` valid for reading `hd` f32s too).
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn weighted_sum_avx512_from<const G: usize>(
+    ps: [&[f32]; G],
+    slots: &[usize],
+    values: &[f32],
+    hd: usize,
+    out: [*mut f32; G],
+    from_out: bool,
+) {
     const W: usize = 8;
     debug_assert!(slots.iter().all(|&s| (s + 1) * hd <= values.len()));
     let base = values.as_ptr();
@@ -193,7 +212,13 @@ pub(super) unsafe fn weighted_sum_avx512<const G: usize>(
             ((1u32 << left) - 1) as __mmask16
         };
         let masks: [__mmask16; W] = std::array::from_fn(mask);
-        let mut acc = [[_mm512_setzero_ps(); W]; G];
+        let acc0 = |h: usize, i: usize| match from_out {
+            // SAFETY: as the stores below: only lanes below `hd`, inside `out[h]` (the caller).
+            true => unsafe { _mm512_maskz_loadu_ps(masks[i], out[h].wrapping_add(d0 + 16 * i)) },
+            false => _mm512_setzero_ps(),
+        };
+        let mut acc: [[__m512; W]; G] =
+            std::array::from_fn(|h| std::array::from_fn(|i| acc0(h, i)));
         for (t, &slot) in slots.iter().enumerate() {
             // SAFETY: `d0 < hd`: inside `slot`'s entry of `values` (the caller).
             let v = unsafe { base.add(slot.wrapping_mul(hd).wrapping_add(d0)) };

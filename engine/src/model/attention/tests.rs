@@ -28,6 +28,8 @@ fn the_fast_path_gives_the_portable_loops_floats() {
         (128, 8, 16, 30, 37, 1),
         (136, 2, 4, 12, 19, 2),
         (40, 4, 4, 5, 10, 1),
+        // Longer than a decoded tile (64 rows): the prefix, and one row's own entries.
+        (64, 2, 4, 150, 70, 1),
     ]
     .into_iter()
     .flat_map(|c| {
