@@ -394,17 +394,11 @@ pub fn attend(
             };
             #[cfg(target_arch = "x86_64")]
             if avx2 && block.toks.len() * group <= MAX_QUERIES && held_back() < 2 {
-                if let (Some(k), Some(v)) = (keys.as_f32(), values.as_f32()) {
-                    // SAFETY: the CPU has AVX2 and FMA; this task writes only its own tokens'
-                    // heads of `out`, which outlives the call; the slots `visible` names are
-                    // the cache's own, below its capacity, the length of each head's view.
-                    unsafe { block.run_f32_avx2(k, v, &out_ptr) };
-                    continue;
-                }
-                // Another type: its rows decoded a tile at a time into the same kernels.
                 // SAFETY: the CPU has AVX2 and FMA; this task writes only its own tokens'
-                // heads of `out`; at most MAX_QUERIES queries (checked just above).
-                unsafe { block.run_coded_avx2(&keys, &values, &out_ptr) };
+                // heads of `out`, which outlives the call; the slots `visible` names are the
+                // cache's own, below its capacity, the length of each head's view; at most
+                // MAX_QUERIES queries (checked just above).
+                unsafe { block.run_avx2(&keys, &values, &out_ptr) };
                 continue;
             }
             block.run_portable(&keys, &values, &out_ptr, avx2);
@@ -526,8 +520,10 @@ struct Block<'a> {
 
 #[cfg(target_arch = "x86_64")]
 thread_local! {
-    /// The fast path's scratch: scores, and the slots one token's values are summed over.
-    static FAST: RefCell<(Vec<f32>, Vec<usize>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// The fast path's scratch: scores, the slots one token's values are summed over, and a
+    /// key row read from a cache of another type than f32.
+    static FAST: RefCell<(Vec<f32>, Vec<usize>, Vec<f32>)> =
+        const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -544,8 +540,15 @@ impl Block<'_> {
     /// block's tokens see (its prefix's, and each token's `row_slots[..count]`) is below
     /// `keys.len() / head_dim` and `values.len() / head_dim` (the kernels read entries
     /// unchecked).
+    ///
+    /// A cache of another type goes to [`Block::run_coded_avx2`] (its rows decoded a tile at
+    /// a time into the same kernels), which asks the same of its caller.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_f32_avx2(&self, keys: &[f32], values: &[f32], out: &SharedOut) {
+    unsafe fn run_avx2(&self, key_rows: &HeadView<'_>, value_rows: &HeadView<'_>, out: &SharedOut) {
+        let (Some(keys), Some(values)) = (key_rows.as_f32(), value_rows.as_f32()) else {
+            // SAFETY: our caller's guarantees, which are this one's.
+            return unsafe { self.run_coded_avx2(key_rows, value_rows, out) };
+        };
         let (hd, group) = (self.head_dim, self.group);
         let avx512 = has_avx512() && held_back() == 0;
         let nt = self.toks.len();
@@ -554,18 +557,18 @@ impl Block<'_> {
         let mut qs: [&[f32]; MAX_QUERIES] = [&[]; MAX_QUERIES];
         for j in 0..nt {
             for h in 0..group {
-                let i = self.toks.start + j;
-                qs[j * group + h] = &self.q[(i * self.n_heads + self.g * group + h) * hd..][..hd];
+                qs[j * group + h] = self.q_of(j, h);
             }
         }
         let qs = &qs[..nq];
         let shared: usize = self.prefix.iter().map(|s| s.len).sum();
         FAST.with(|cell| {
             let mut cell = cell.borrow_mut();
-            let (scores, slots) = &mut *cell;
+            let (scores, slots, kbuf) = &mut *cell;
             if scores.len() < nq * stride {
                 scores.resize(nq * stride, 0.0);
             }
+            kbuf.resize(hd, 0.0);
             slots.clear();
             slots.extend(self.prefix.iter().flat_map(|s| s.start..s.start + s.len));
             if avx512 && hd <= avx512::MAX_HEAD_DIM {
@@ -576,14 +579,13 @@ impl Block<'_> {
                 // row entries (the block's tokens share `slots`, the prefix).
                 unsafe { self.scores_avx512(qs, keys, slots, &mut scores[..nq * stride]) };
             } else {
-                // Scores against the shared prefix: each key read once for every query.
-                for (t, &slot) in slots.iter().enumerate() {
-                    let k = &keys[slot * hd..(slot + 1) * hd];
-                    // SAFETY: AVX2 and FMA (our caller); every query has `hd` values, as `k`.
-                    unsafe { dots_avx2(qs, k, self.scale, |qi, v| scores[qi * stride + t] = v) };
+                let scores = &mut scores[..nq * stride];
+                // SAFETY: AVX2 and FMA (our caller); every query has `hd` values; the slots
+                // index `keys` (our caller).
+                unsafe {
+                    self.prefix_scores(qs, keys, slots, 0, scores, false);
+                    self.row_scores_avx2(qs, key_rows, kbuf, scores, shared);
                 }
-                // SAFETY: AVX2 and FMA (our caller); every query has `hd` values.
-                unsafe { self.row_scores_avx2(qs, keys, &mut scores[..nq * stride], shared) };
             }
             for j in 0..nt {
                 let n_keys = shared + self.visible[self.toks.start + j].count;
@@ -651,17 +653,18 @@ impl Block<'_> {
     ///
     /// # Safety
     ///
-    /// The CPU has AVX2 and FMA, and each of `qs` has at least `head_dim` values (the keys
-    /// and `scores` are indexed, checked).
+    /// The CPU has AVX2 and FMA, and each of `qs` has at least `head_dim` values (the keys,
+    /// read in place or into `kbuf` of `head_dim` values, and `scores` are indexed, checked).
     #[target_feature(enable = "avx2,fma")]
     unsafe fn row_scores_avx2(
         &self,
         qs: &[&[f32]],
-        keys: &[f32],
+        keys: &HeadView<'_>,
+        kbuf: &mut [f32],
         scores: &mut [f32],
         shared: usize,
     ) {
-        let (hd, stride) = (self.head_dim, self.stride);
+        let stride = self.stride;
         let mut sel: [&[f32]; MAX_QUERIES] = [&[]; MAX_QUERIES];
         let mut at = [0usize; MAX_QUERIES];
         for (j, most) in self.rows() {
@@ -673,10 +676,60 @@ impl Block<'_> {
                     at[n] = qi * stride + shared + u;
                     n += 1;
                 }
-                let k = &keys[slot * hd..(slot + 1) * hd];
+                let k = keys.row(slot, kbuf);
                 // SAFETY: AVX2 and FMA (our caller); the queries have `hd` values, as `k`.
                 unsafe { dots_avx2(&sel[..n], k, self.scale, |i, v| scores[at[i]] = v) };
             }
+        }
+    }
+
+    /// Each query's scores against `keys`' rows `slots`, at `t0..` of its run of `stride`:
+    /// 16 queries at a time with [`avx512::dots`] when `avx512`, else each key read once for
+    /// every query with [`dots_avx2`] (the same floats to the bit).
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA, and AVX-512F when `avx512` (then `head_dim <=
+    /// avx512::MAX_HEAD_DIM` and at most 16 queries a call, as [`avx512::dots`] asks); each
+    /// of `qs` has at least `head_dim` values; every slot satisfies `(slot + 1) * head_dim
+    /// <= keys.len()`; `t0 + slots.len() <= stride` and `scores` holds `qs.len() * stride`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn prefix_scores(
+        &self,
+        qs: &[&[f32]],
+        keys: &[f32],
+        slots: &[usize],
+        t0: usize,
+        scores: &mut [f32],
+        avx512: bool,
+    ) {
+        let (hd, stride) = (self.head_dim, self.stride);
+        if !avx512 {
+            for (t, &slot) in slots.iter().enumerate() {
+                let k = &keys[slot * hd..(slot + 1) * hd];
+                // SAFETY: AVX2 and FMA (our caller); every query has `hd` values, as `k`.
+                unsafe { dots_avx2(qs, k, self.scale, |qi, v| scores[qi * stride + t0 + t] = v) };
+            }
+            return;
+        }
+        let mut at = [0usize; 16];
+        for (c, chunk) in qs.chunks(16).enumerate() {
+            for (i, a) in at.iter_mut().enumerate().take(chunk.len()) {
+                *a = (16 * c + i) * stride + t0;
+            }
+            // SAFETY: AVX-512F, `hd`, the queries' lengths and the slots by our caller; at
+            // most 16 queries; query `qi`'s scores `t0..t0 + slots.len()` lie within its run.
+            unsafe {
+                avx512::dots(
+                    chunk,
+                    &at[..chunk.len()],
+                    keys,
+                    hd,
+                    slots,
+                    self.scale,
+                    scores,
+                )
+            };
         }
     }
 
@@ -701,26 +754,10 @@ impl Block<'_> {
         scores: &mut [f32],
     ) {
         let (hd, stride) = (self.head_dim, self.stride);
+        // SAFETY: AVX-512F (AVX2 and FMA with it on an AVX-512 kernel path), `hd`, the
+        // queries' lengths and the slots by our caller; `slots.len() <= stride`.
+        unsafe { self.prefix_scores(qs, keys, slots, 0, scores, true) };
         let mut at = [0usize; 16];
-        for (c, chunk) in qs.chunks(16).enumerate() {
-            for (i, a) in at.iter_mut().enumerate().take(chunk.len()) {
-                *a = (16 * c + i) * stride;
-            }
-            // SAFETY: AVX-512F, `hd`, the queries' lengths and the slots by our caller; at
-            // most 16 queries; query `i`'s scores start at `at[i] = qi * stride` and
-            // `slots.len() <= stride` of them fit before the next query's.
-            unsafe {
-                avx512::dots(
-                    chunk,
-                    &at[..chunk.len()],
-                    keys,
-                    hd,
-                    slots,
-                    self.scale,
-                    scores,
-                )
-            };
-        }
         let mut sel: [&[f32]; 16] = [&[]; 16];
         for (j, most) in self.rows() {
             let row = &self.vis(j).row_slots[..most];

@@ -152,59 +152,17 @@ impl Block<'_> {
                     break;
                 }
                 Self::decode(keys, &slots[..n], hd, buf);
-                // Sixteen queries side by side: worth it from eight on (a one-token forward's
-                // few heads per KV head leave most lanes idle).
-                if avx512 && nq >= 8 {
-                    let mut at = [0usize; 16];
-                    for (c, chunk) in qs.chunks(16).enumerate() {
-                        for (i, a) in at.iter_mut().enumerate().take(chunk.len()) {
-                            *a = (16 * c + i) * stride + t0;
-                        }
-                        // SAFETY: AVX-512F (an AVX-512 kernel path), `hd <= MAX_HEAD_DIM`, at
-                        // most 16 queries of `hd` values; the local slots index the tile's `n`
-                        // rows; query `qi`'s scores `t0..t0 + n` lie within its `stride`.
-                        unsafe {
-                            avx512::dots(
-                                chunk,
-                                &at[..chunk.len()],
-                                buf,
-                                hd,
-                                &LOCAL[..n],
-                                self.scale,
-                                scores,
-                            )
-                        };
-                    }
-                } else {
-                    for i in 0..n {
-                        let k = &buf[i * hd..(i + 1) * hd];
-                        // SAFETY: AVX2 and FMA (our caller); every query has `hd` values, as `k`.
-                        unsafe {
-                            dots_avx2(qs, k, self.scale, |qi, v| scores[qi * stride + t0 + i] = v)
-                        };
-                    }
-                }
+                // Sixteen queries side by side from eight on (a one-token forward's few heads
+                // per KV head leave most lanes idle).
+                // SAFETY: AVX2 and FMA (our caller), AVX-512F on an AVX-512 kernel path with
+                // `hd <= MAX_HEAD_DIM`; the local slots index the tile's `n` rows; `t0 + n`
+                // is within the prefix, inside each query's run.
+                unsafe { self.prefix_scores(qs, buf, &LOCAL[..n], t0, scores, avx512 && nq >= 8) };
                 t0 += n;
             }
             // Scores against each row's own entries, each read once for the tokens that see it.
-            let mut sel: [&[f32]; MAX_QUERIES] = [&[]; MAX_QUERIES];
-            let mut at = [0usize; MAX_QUERIES];
-            for (j, most) in self.rows() {
-                let row = self.vis(j).row_slots;
-                for (u, &slot) in row[..most].iter().enumerate() {
-                    let mut n = 0;
-                    for qi in self.row_queries(j, u) {
-                        sel[n] = qs[qi];
-                        at[n] = qi * stride + shared + u;
-                        n += 1;
-                    }
-                    keys.read_into(slot, &mut buf[..hd]);
-                    // SAFETY: AVX2 and FMA (our caller); the queries have `hd` values, as the row.
-                    unsafe {
-                        dots_avx2(&sel[..n], &buf[..hd], self.scale, |i, v| scores[at[i]] = v)
-                    };
-                }
-            }
+            // SAFETY: AVX2 and FMA (our caller); every query has `hd` values.
+            unsafe { self.row_scores_avx2(qs, keys, &mut buf[..hd], scores, shared) };
             for j in 0..nt {
                 let n_keys = shared + self.vis(j).count;
                 for h in 0..group {
