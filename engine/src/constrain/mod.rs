@@ -314,6 +314,19 @@ impl Constraint {
         })
     }
 
+    /// `row` with what the grammar forbids here at minus infinity, in `buf` (the end of the
+    /// answer, `eos`, kept where it may end).
+    pub fn masked<'b>(
+        &mut self,
+        row: &[f32],
+        eos: u32,
+        buf: &'b mut Vec<f32>,
+    ) -> Result<&'b [f32]> {
+        self.allowed()?
+            .mask(row, eos, buf)
+            .ok_or_else(|| Error::internal("the grammar allows no token here"))
+    }
+
     /// `tok` was chosen (one [`Constraint::allowed`] allowed).
     pub fn accept(&mut self, tok: u32) -> Result<()> {
         if let Some(l) = &mut self.lazy {

@@ -32,7 +32,7 @@ pub struct Autoregressive {
     batch: Batch,
     /// The grammar the answer follows, if any ([`DecodeParams::guide`]).
     constraint: Option<Constraint>,
-    /// The logits with what the grammar forbids at minus infinity (sampling under a grammar).
+    /// The logits with what the grammar forbids at minus infinity.
     masked: Vec<f32>,
     /// Whether the first poll has committed what the grammar forces first.
     started: bool,
@@ -74,58 +74,8 @@ impl Autoregressive {
                 argmax(row)
             } as u32);
         };
-        let allowed = c.allowed()?;
-        let eos = self.p.eos_id as usize;
-        if self.p.temperature > 0.0 {
-            self.masked.clear();
-            self.masked.resize(row.len(), f32::NEG_INFINITY);
-            allowed.each(|t| {
-                if let Some(&x) = row.get(t as usize) {
-                    self.masked[t as usize] = x;
-                }
-            });
-            if allowed.may_end && eos < row.len() {
-                self.masked[eos] = row[eos];
-            }
-            if self.masked.iter().all(|x| *x == f32::NEG_INFINITY) {
-                return Err(Error::internal("the grammar allows no token here"));
-            }
-            let tok = self.noise.sample(&self.masked, self.p.temperature) as u32;
-            // Every allowed weight can underflow to 0 (logits below -745), when the first index
-            // wins the tie, allowed or not: then the arg-max among the allowed is taken.
-            let ok = if tok == self.p.eos_id {
-                allowed.may_end
-            } else {
-                allowed.allows(tok)
-            };
-            if ok {
-                if tok != self.p.eos_id {
-                    c.accept(tok)?;
-                }
-                return Ok(tok);
-            }
-        }
-        let mut best: Option<(u32, f32)> = None;
-        let mut consider = |t: u32, x: f32| {
-            if best.is_none_or(|(_, b)| x > b) {
-                best = Some((t, x));
-            }
-        };
-        allowed.each(|t| {
-            if t != self.p.eos_id {
-                if let Some(&x) = row.get(t as usize) {
-                    consider(t, x);
-                }
-            }
-        });
-        if allowed.may_end {
-            if let Some(&x) = row.get(eos) {
-                consider(self.p.eos_id, x);
-            }
-        }
-        let Some((tok, _)) = best else {
-            return Err(Error::internal("the grammar allows no token here"));
-        };
+        let masked = c.masked(row, self.p.eos_id, &mut self.masked)?;
+        let tok = super::guided::choose(masked, self.p.temperature, &mut self.noise);
         if tok != self.p.eos_id {
             c.accept(tok)?;
         }

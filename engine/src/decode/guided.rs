@@ -133,26 +133,16 @@ impl Guided {
         Ok(())
     }
 
-    /// `row` under the grammar's current state: the token to take (arg-max, or the noise's
-    /// pick at a temperature) and `tok`'s probability over what the grammar allows.
+    /// `row` under the grammar's current state: the token to take from it (`tok` when given,
+    /// else [`choose`]'s) and its probability over what the grammar allows.
     fn masked_pick(&mut self, row: &[f32], tok: Option<u32>) -> Result<(u32, f32)> {
-        let allowed = self.constraint.allowed()?;
-        let Some(masked) = allowed.mask(row, self.p.eos_id, &mut self.masked) else {
-            return Err(Error::internal("the grammar allows no token here"));
+        let masked = self
+            .constraint
+            .masked(row, self.p.eos_id, &mut self.masked)?;
+        let tok = match tok {
+            Some(t) => t,
+            None => choose(masked, self.p.temperature, &mut self.noise),
         };
-        let pick = if self.p.temperature > 0.0 {
-            let t = self.noise.sample(masked, self.p.temperature);
-            // Every allowed weight can underflow to 0 (logits far below the rest), when the
-            // first index wins the tie, allowed or not: then the arg-max is taken.
-            if masked[t] > f32::NEG_INFINITY {
-                t
-            } else {
-                argmax(masked)
-            }
-        } else {
-            argmax(masked)
-        };
-        let tok = tok.unwrap_or(pick as u32);
         Ok((tok, prob(masked, tok as usize)))
     }
 
@@ -329,4 +319,18 @@ impl Strategy for Guided {
             limit: self.p.answer_limit(),
         }
     }
+}
+
+/// The token to take from `masked` (logits with what the grammar forbids at minus infinity):
+/// the arg-max, or at a temperature the planning noise's pick. Every allowed weight can
+/// underflow to 0 (logits far below the rest), when the first index wins the tie, allowed or
+/// not: then the arg-max is taken.
+pub(super) fn choose(masked: &[f32], temperature: f64, noise: &mut Noise) -> u32 {
+    if temperature > 0.0 {
+        let t = noise.sample(masked, temperature);
+        if masked[t] > f32::NEG_INFINITY {
+            return t as u32;
+        }
+    }
+    argmax(masked) as u32
 }
