@@ -21,8 +21,7 @@ use serde_json::{json, Value};
 /// The arg-max of `row` among what `c` allows, and `tok`'s probability over it.
 fn masked(c: &mut Constraint, row: &[f32], eos: u32, tok: Option<u32>) -> (u32, f32) {
     let mut buf = Vec::new();
-    let allowed = c.allowed().unwrap();
-    let m = allowed.mask(row, eos, &mut buf).unwrap();
+    let m = c.masked(row, eos, &mut buf).unwrap();
     let t = tok.unwrap_or(argmax(m) as u32);
     (t, prob(m, t as usize))
 }
@@ -109,15 +108,6 @@ fn recomputed(m: &Qwen3, guide: &Guide, prompt: &[u32], p: &DecodeParams) -> (Ve
     (answer, forwards)
 }
 
-fn schema_for(answer: &Value) -> Format {
-    let value = match answer.is_array() {
-        true => json!({"type": "array", "items": {"type": "integer"}}),
-        false => json!({"type": "integer"}),
-    };
-    Format::JsonSchema(json!({"type": "object", "properties": {"answer": value},
-                              "required": ["answer"], "additionalProperties": false}))
-}
-
 #[test]
 fn guided_decoding_is_its_steps_recomputed_from_scratch() {
     let tmp = tempfile::tempdir().unwrap();
@@ -125,16 +115,7 @@ fn guided_decoding_is_its_steps_recomputed_from_scratch() {
     let file = Arc::new(GgufFile::open(&path).unwrap());
     let tok = Tokenizer::from_gguf(&file.header).unwrap();
     let m = Qwen3::load_offloaded(file.clone(), None).unwrap();
-    let chats: Value =
-        serde_json::from_slice(&std::fs::read(trained_tiny().join("heldout_chats.json")).unwrap())
-            .unwrap();
-    let questions: Vec<&Value> = chats
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|h| h["kind"] == "json")
-        .take(8)
-        .collect();
+    let questions = heldout_json_questions(8);
     let add = [tools::Tool {
         name: "add".into(),
         parameters: json!({"type": "object", "properties": {"a": {"type": "integer"},
@@ -160,7 +141,9 @@ fn guided_decoding_is_its_steps_recomputed_from_scratch() {
     for h in &questions {
         let want: Value = serde_json::from_str(h["response"].as_str().unwrap()).unwrap();
         let q = h["messages"][0]["content"].as_str().unwrap();
-        let schema = guides.compile(&schema_for(&want["answer"])).unwrap();
+        let schema = guides
+            .compile(&Format::JsonSchema(answer_schema(&want)))
+            .unwrap();
         cases.push((q.into(), render(q, None), schema));
     }
     let gbnf = Format::Gbnf("root ::= \"The answer is \" [0-9]+ \".\"".into());

@@ -357,27 +357,11 @@ fn chat_answers_follow_the_grammar() {
 fn slots_under_a_schema_answer_in_fewer_forwards_than_ar() {
     let tmp = tempfile::tempdir().unwrap();
     let model = trained_tiny_gguf(tmp.path(), "f32");
-    let chats: Value =
-        serde_json::from_slice(&std::fs::read(trained_tiny().join("heldout_chats.json")).unwrap())
-            .unwrap();
-    let questions: Vec<&Value> = chats
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|h| h["kind"] == "json")
-        .take(12)
-        .collect();
-    assert!(questions.len() >= 10);
+    let questions = heldout_json_questions(12);
     let (mut slots_forwards, mut ar_forwards, mut right) = (0, 0, 0);
     for h in questions {
         let want: Value = serde_json::from_str(h["response"].as_str().unwrap()).unwrap();
-        let value = match want["answer"].is_array() {
-            true => json!({"type": "array", "items": {"type": "integer"}}),
-            false => json!({"type": "integer"}),
-        };
-        let schema = json!({"type": "object", "properties": {"answer": value},
-                            "required": ["answer"], "additionalProperties": false})
-        .to_string();
+        let schema = answer_schema(&want).to_string();
         let question = h["messages"][0]["content"].as_str().unwrap();
         let decode = |strategy: &str| -> Value {
             let o = run(&[

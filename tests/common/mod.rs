@@ -431,6 +431,35 @@ pub fn trained_tiny() -> PathBuf {
     fixtures().join("../../models/refusion-tiny")
 }
 
+/// The trained tiny model's first `n` held-out JSON questions (`heldout_chats.json`, kind
+/// "json"): each with its `messages` and worked `response` (`{"answer": ...}`).
+pub fn heldout_json_questions(n: usize) -> Vec<Json> {
+    let chats: Json =
+        serde_json::from_slice(&fs::read(trained_tiny().join("heldout_chats.json")).unwrap())
+            .unwrap();
+    let out: Vec<Json> = chats
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|h| h["kind"] == "json")
+        .take(n)
+        .cloned()
+        .collect();
+    assert_eq!(out.len(), n, "held-out JSON questions");
+    out
+}
+
+/// The JSON Schema of a held-out JSON answer like `want`: `{"answer": integer}`, or an array
+/// of integers for a list question.
+pub fn answer_schema(want: &Json) -> Json {
+    let value = match want["answer"].is_array() {
+        true => json!({"type": "array", "items": {"type": "integer"}}),
+        false => json!({"type": "integer"}),
+    };
+    json!({"type": "object", "properties": {"answer": value},
+           "required": ["answer"], "additionalProperties": false})
+}
+
 /// The trained tiny ReFusion converted to `outtype` in `dir` (`tiny-OUTTYPE.gguf`).
 pub fn trained_tiny_gguf(dir: &Path, outtype: &str) -> PathBuf {
     let out = dir.join(format!("tiny-{outtype}.gguf"));
