@@ -592,7 +592,7 @@ fn contexts_beyond_what_was_set_or_trained() {
     );
 }
 
-/// llama.cpp's flags: -ctk/-ctv (one type for both), -fa and -cnv refused by name before
+/// llama.cpp's flags: -ctk/-ctv (each its own type), -fa and -cnv refused by name before
 /// loading, `-f -` reads the prompt from standard input, `--log-disable` keeps stderr quiet, and
 /// a missing `-f FILE` is refused before the model loads.
 #[test]
@@ -603,8 +603,8 @@ fn llama_cpp_flags_work_or_are_refused_by_name() {
     for (args, needle) in [
         (vec!["-fa", "on"], "-fa on: refusion has one attention path"),
         (vec!["-fa"], "-fa on: refusion has one attention path"),
-        (vec!["-ctk", "f16", "-ctv", "f32"], "-ctk f16 and -ctv f32"),
-        (vec!["-ctk", "f16"], "-ctk f16 alone"),
+        (vec!["-ctk", "q9", "-ctv", "f32"], "unknown cache type 'q9'"),
+        (vec!["-ctv", "f8"], "unknown cache type 'f8'"),
         (vec!["-cnv"], "-cnv: for a conversation, use refusion chat"),
         (
             vec!["-f", "/nonexistent/prompt.txt"],
@@ -628,7 +628,7 @@ fn llama_cpp_flags_work_or_are_refused_by_name() {
     let mut child = std::process::Command::new(bin())
         .args(["generate", "-m", model.to_str().unwrap(), "-f", "-"])
         .args(["-n", "8", "--slot-size", "4", "--log-disable"])
-        .args(["-ctk", "f16", "-ctv", "f16", "-fa", "off"])
+        .args(["-ctk", "f16", "-ctv", "f32", "-fa", "off"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

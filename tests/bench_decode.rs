@@ -133,3 +133,32 @@ fn rounds_give_a_range_and_are_refused_where_they_mean_nothing() {
     let o = run(&["bench", "--membw", "--rounds", "2"]);
     assert_fails_with(&o, &["--membw", "--rounds"]);
 }
+
+/// llama-bench's `-ctk`/`-ctv` lists: one child per combination, keys and values each their
+/// own type, named in the JSON and the table's `type_k`/`type_v` columns.
+#[test]
+fn cache_type_lists_give_one_row_per_pair() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let m = model.to_str().unwrap();
+    let o = run(&[
+        "bench", "-m", m, "-p", "4", "-d", "8", "-r", "1", "-ctk", "f16,f32", "-ctv", "bf16", "-o",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<Value> = serde_json::from_str(&stdout(&o)).unwrap();
+    let pairs: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|r| (r["type_k"].as_str().unwrap(), r["type_v"].as_str().unwrap()))
+        .collect();
+    assert_eq!(pairs, [("f16", "bf16"), ("f32", "bf16")]);
+    let o = run(&[
+        "bench", "-m", m, "-p", "4", "-d", "8", "-r", "1", "-ctk", "f16",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let table = stdout(&o);
+    assert!(table.contains("| type_k | type_v |"), "{table}");
+    assert!(table.contains("|    f16 |    f32 |"), "{table}");
+    let o = run(&["bench", "-m", m, "-p", "4", "-ctk", "f16,q9"]);
+    assert_fails_with(&o, &["-ctk q9", "unknown cache type 'q9'"]);
+}

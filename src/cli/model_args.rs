@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use refusion_engine::kv::CacheType;
+use refusion_engine::kv::{CacheType, KvTypes};
 use refusion_engine::load::plan::GpuLayers;
 use refusion_engine::load::runtime::{DeviceChoice, LoadOptions, MAX_CONTEXT, MAX_THREADS};
 
@@ -32,10 +32,16 @@ pub struct ModelArgs {
     /// Threads for the forward (default: all cores).
     #[arg(short = 't', long, value_parser = parse_threads, allow_negative_numbers = true)]
     pub threads: Option<usize>,
-    /// KV cache element type: f32 (exact, the default), f16, bf16, q8_0, q5_1, q5_0, q4_1 or
-    /// q4_0 (llama.cpp's names; the block types on the CPU only).
+    /// KV cache element type of keys and values alike: f32 (exact, the default), f16, bf16,
+    /// q8_0, q5_1, q5_0, q4_1 or q4_0 (llama.cpp's names; the block types on the CPU only).
     #[arg(long, value_parser = parse_cache_type)]
     pub cache_type: Option<CacheType>,
+    /// KV cache type of the keys (llama.cpp's -ctk; over --cache-type).
+    #[arg(long = "cache-type-k", value_name = "TYPE", value_parser = parse_cache_type)]
+    pub cache_type_k: Option<CacheType>,
+    /// KV cache type of the values (llama.cpp's -ctv; over --cache-type).
+    #[arg(long = "cache-type-v", value_name = "TYPE", value_parser = parse_cache_type)]
+    pub cache_type_v: Option<CacheType>,
     /// Back the KV cache with this file instead of anonymous memory.
     #[arg(long, value_name = "PATH")]
     pub kv_file: Option<PathBuf>,
@@ -67,12 +73,6 @@ pub struct ModelArgs {
     /// --log-disable).
     #[arg(long)]
     pub log_disable: bool,
-    /// llama.cpp's -ctk/-ctv: refusion keeps K and V in one type, so both must be the same
-    /// (and then act as --cache-type).
-    #[arg(long = "cache-type-k", hide = true, value_parser = parse_cache_type)]
-    cache_type_k: Option<CacheType>,
-    #[arg(long = "cache-type-v", hide = true, value_parser = parse_cache_type)]
-    cache_type_v: Option<CacheType>,
     /// llama.cpp's -fa [on|off|auto]: refusion has one attention path, which is what off and
     /// auto give; on is refused by name.
     #[arg(long = "flash-attn", hide = true, num_args = 0..=1, default_missing_value = "on")]
@@ -164,6 +164,15 @@ impl ModelArgs {
         Ok(())
     }
 
+    /// The KV cache's types: `-ctk`/`-ctv` each over `--cache-type`, over the default (f32).
+    pub fn cache_types(&self) -> KvTypes {
+        let both = self.cache_type.unwrap_or(CacheType::F32);
+        KvTypes {
+            k: self.cache_type_k.unwrap_or(both),
+            v: self.cache_type_v.unwrap_or(both),
+        }
+    }
+
     pub fn load_options(&self, verbose: bool) -> anyhow::Result<LoadOptions> {
         if self.mlock {
             anyhow::bail!(
@@ -177,29 +186,10 @@ impl ModelArgs {
                 );
             }
         }
-        let one = |flag: &str, t: CacheType| {
-            anyhow::anyhow!(
-                "{flag} {} alone: refusion keeps K and V in one type; give -ctk and -ctv the same \
-                 type (or --cache-type)",
-                t.name()
-            )
-        };
-        let cache_type = match (self.cache_type_k, self.cache_type_v) {
-            (None, None) => self.cache_type.unwrap_or(CacheType::F32),
-            (Some(k), None) => return Err(one("-ctk", k)),
-            (None, Some(v)) => return Err(one("-ctv", v)),
-            (Some(k), Some(v)) if k != v => anyhow::bail!(
-                "-ctk {} and -ctv {}: refusion keeps K and V in one type; give the same to both \
-                 (or --cache-type)",
-                k.name(),
-                v.name()
-            ),
-            (Some(t), Some(_)) => t,
-        };
         Ok(LoadOptions {
             path: self.model_path()?,
             context: self.ctx_size,
-            cache_type,
+            cache_types: self.cache_types(),
             kv_file: self.kv_file.clone(),
             device: self.device.clone(),
             gpu_layers: self.gpu_layers,

@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::cells::Move;
-use super::{CacheShape, CacheType, Kv};
+use super::{CacheShape, Kv, KvTypes};
 use crate::error::{Error, Result};
 
 /// The K and V tensors of one device-resident layer, `[n_kv_heads, capacity, head_dim]`.
@@ -28,33 +28,35 @@ pub struct DeviceStore {
     pub layers: Vec<DeviceLayer>,
     n_kv_heads: usize,
     head_dim: usize,
-    ty: CacheType,
-    /// The tensors' element type ([`super::KvKind::dtype`]).
-    dtype: DType,
+    types: KvTypes,
+    /// The key and value tensors' element types ([`super::KvKind::dtype`]).
+    k_dtype: DType,
+    v_dtype: DType,
 }
 
 impl DeviceStore {
     /// The first `n` layers on `device`, zeroed.
     pub fn new(
         shape: &CacheShape,
-        ty: CacheType,
+        types: KvTypes,
         device: Option<(&Device, usize)>,
     ) -> Result<DeviceStore> {
         let mut layers = Vec::new();
-        let dtype = match (ty.kind().dtype(), device) {
-            (Some(d), _) => d,
-            (None, None) => DType::F32,
-            (None, Some(_)) => {
-                return Err(Error::setup(format!(
-                    "the {} KV cache has no GPU path yet: use -ngl 0, or --cache-type f16",
-                    ty.name()
-                )))
-            }
+        let dtype = |kind: Kv| match (types.of(kind).kind().dtype(), device) {
+            (Some(d), _) => Ok(d),
+            (None, None) => Ok(DType::F32),
+            (None, Some(_)) => Err(Error::setup(format!(
+                "a {} KV cache ({}) has no GPU path yet: use -ngl 0, or f16 for {}",
+                types.of(kind).name(),
+                if kind == Kv::K { "-ctk" } else { "-ctv" },
+                if kind == Kv::K { "keys" } else { "values" },
+            ))),
         };
+        let (k_dtype, v_dtype) = (dtype(Kv::K)?, dtype(Kv::V)?);
         if let Some((dev, n)) = device {
             let dims = (shape.n_kv_heads, shape.capacity, shape.head_dim);
             for l in 0..n.min(shape.n_layers) {
-                let zeros = || {
+                let zeros = |dtype| {
                     Tensor::zeros(dims, dtype, dev).map_err(|e| {
                         Error::resource(format!(
                             "cannot allocate the KV cache of layer {l} on {:?}: {e}",
@@ -63,8 +65,8 @@ impl DeviceStore {
                     })
                 };
                 layers.push(DeviceLayer {
-                    k: zeros()?,
-                    v: zeros()?,
+                    k: zeros(k_dtype)?,
+                    v: zeros(v_dtype)?,
                 });
             }
         }
@@ -72,8 +74,9 @@ impl DeviceStore {
             layers,
             n_kv_heads: shape.n_kv_heads,
             head_dim: shape.head_dim,
-            ty,
-            dtype,
+            types,
+            k_dtype,
+            v_dtype,
         })
     }
 
@@ -89,8 +92,8 @@ impl DeviceStore {
     /// device; `index` is [`DeviceStore::index`] of their slots.
     pub fn write(&self, layer: usize, index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
         let dl = &self.layers[layer];
-        for (dst, src) in [(&dl.k, k), (&dl.v, v)] {
-            let src = src.transpose(0, 1)?.to_dtype(self.dtype)?.contiguous()?;
+        for (dst, src, dtype) in [(&dl.k, k, self.k_dtype), (&dl.v, v, self.v_dtype)] {
+            let src = src.transpose(0, 1)?.to_dtype(dtype)?.contiguous()?;
             dst.scatter_set(index, &src, 1)?;
         }
         Ok(())
@@ -149,10 +152,10 @@ impl DeviceStore {
         }
         let ids = self.ids(slots)?;
         for layer in &self.layers {
-            for t in [&layer.k, &layer.v] {
+            for (t, kind) in [(&layer.k, Kv::K), (&layer.v, Kv::V)] {
                 let g = t.index_select(&ids, 1)?.flatten_all()?;
                 let values = g.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-                let kind = self.ty.kind();
+                let kind = self.types.of(kind).kind();
                 let rb = kind.row_bytes(self.head_dim);
                 let at = out.len();
                 out.resize(at + values.len() / self.head_dim * rb, 0);
@@ -171,24 +174,28 @@ impl DeviceStore {
     /// `dst..dst + n`. Returns the bytes read.
     pub fn load_le(&self, bytes: &[u8], n: usize, dst: usize) -> Result<usize> {
         let (nkv, hd) = (self.n_kv_heads, self.head_dim);
-        let kind = self.ty.kind();
-        let rb = kind.row_bytes(hd);
-        let part = nkv * n * rb;
+        let total = self.layers.len() * nkv * n * self.types.row_bytes(hd);
         if n == 0 {
-            return Ok(self.layers.len() * 2 * part);
+            return Ok(total);
         }
-        for (l, layer) in self.layers.iter().enumerate() {
-            for (j, t) in [&layer.k, &layer.v].into_iter().enumerate() {
-                let start = (l * 2 + j) * part;
-                let b = &bytes[start..start + part];
+        let mut start = 0;
+        for layer in &self.layers {
+            for (t, kind, dtype) in [
+                (&layer.k, Kv::K, self.k_dtype),
+                (&layer.v, Kv::V, self.v_dtype),
+            ] {
+                let kind = self.types.of(kind).kind();
+                let rb = kind.row_bytes(hd);
+                let b = &bytes[start..start + nkv * n * rb];
+                start += b.len();
                 let mut v = vec![0f32; nkv * n * hd];
                 for (row, src) in v.chunks_exact_mut(hd).zip(b.chunks_exact(rb)) {
                     kind.read_row(src, row);
                 }
-                let src = Tensor::from_vec(v, (nkv, n, hd), t.device())?.to_dtype(self.dtype)?;
+                let src = Tensor::from_vec(v, (nkv, n, hd), t.device())?.to_dtype(dtype)?;
                 t.slice_set(&src, 1, dst)?;
             }
         }
-        Ok(self.layers.len() * 2 * part)
+        Ok(total)
     }
 }

@@ -1,6 +1,7 @@
 //! The K/V of the layers that run on the CPU: one preallocated memory map (anonymous, or a
 //! file with `--kv-file`), laid out `[layer, K|V, kv head, slot, head_dim]`, so that every
 //! (layer, kind, head) is one contiguous array over the slots that attention reads in place.
+//! Keys and values may be of different types, so their rows (and arrays) may differ in size.
 
 use std::fs::{File, OpenOptions};
 use std::path::Path;
@@ -9,7 +10,7 @@ use memmap2::{MmapMut, MmapOptions};
 
 use super::cells::Move;
 use super::claim::{claim, CacheFile, Claim, LIVE_MAGIC};
-use super::{CacheShape, CacheType, HeadView, Kv};
+use super::{CacheShape, HeadView, Kv, KvTypes};
 use crate::error::{Error, Result};
 
 pub struct HostStore {
@@ -19,7 +20,10 @@ pub struct HostStore {
     n_kv_heads: usize,
     head_dim: usize,
     capacity: usize,
-    ty: CacheType,
+    types: KvTypes,
+    /// Bytes of one key row and of one value row.
+    k_row: usize,
+    v_row: usize,
     mmap: MmapMut,
     /// The `--kv-file`, held open for its lock while the map lives.
     _file: Option<File>,
@@ -30,7 +34,8 @@ pub struct HostStore {
 /// Bytes before the entries in a `--kv-file`: the header, padded to a page on every system we
 /// build for (4, 16 or 64 KiB), so that the entries are mapped at a page-aligned offset.
 pub const FILE_HEADER_BYTES: u64 = 64 << 10;
-const FILE_VERSION: u32 = 1;
+/// 2: the type code is a pair ([`KvTypes::code`]).
+const FILE_VERSION: u32 = 2;
 
 /// Opens (or creates) a `--kv-file` for a cache of `bytes` entry bytes. The path must be
 /// absent, empty, or a cache of ours ([`claim`]): a new file is created exclusively, an
@@ -41,7 +46,7 @@ fn open_cache_file(
     p: &Path,
     shape: &CacheShape,
     first_layer: usize,
-    ty: CacheType,
+    types: KvTypes,
     bytes: usize,
 ) -> Result<(File, MmapMut)> {
     use std::io::{Read, Seek, SeekFrom, Write};
@@ -98,7 +103,7 @@ fn open_cache_file(
     header.extend_from_slice(LIVE_MAGIC);
     for v in [
         FILE_VERSION,
-        ty.kind().code(),
+        types.code(),
         shape.n_layers as u32,
         first_layer as u32,
         shape.n_kv_heads as u32,
@@ -131,11 +136,11 @@ impl HostStore {
     pub fn new(
         shape: &CacheShape,
         first_layer: usize,
-        ty: CacheType,
+        types: KvTypes,
         path: Option<&Path>,
     ) -> Result<HostStore> {
         let n_layers = shape.n_layers - first_layer;
-        let bytes = (n_layers * 2 * shape.n_kv_heads * ty.kind().row_bytes(shape.head_dim))
+        let bytes = (n_layers * shape.layer_bytes_per_token(types))
             .checked_mul(shape.capacity)
             .ok_or_else(|| Error::resource("KV cache size overflows"))?;
         let mut _file = None;
@@ -150,7 +155,7 @@ impl HostStore {
                     ))
                 })?,
             Some(p) => {
-                let (file, map) = open_cache_file(p, shape, first_layer, ty, bytes)?;
+                let (file, map) = open_cache_file(p, shape, first_layer, types, bytes)?;
                 _file = Some(file);
                 map
             }
@@ -161,7 +166,9 @@ impl HostStore {
             n_kv_heads: shape.n_kv_heads,
             head_dim: shape.head_dim,
             capacity: shape.capacity,
-            ty,
+            types,
+            k_row: types.k.kind().row_bytes(shape.head_dim),
+            v_row: types.v.kind().row_bytes(shape.head_dim),
             mmap,
             _file,
             staging: Vec::new(),
@@ -181,22 +188,35 @@ impl HostStore {
         ((layer - self.first_layer) * 2 + kind as usize) * self.n_kv_heads + kv_head
     }
 
-    /// Byte offset of (head array, slot).
+    /// Byte offset of (head array, slot): a layer's key arrays, then its value arrays.
     #[inline]
     fn offset(&self, head: usize, slot: usize) -> usize {
-        (head * self.capacity + slot) * self.entry_bytes()
+        let nkv = self.n_kv_heads;
+        let (layer, kind, kv_head) = (head / (2 * nkv), head / nkv % 2, head % nkv);
+        let layer_start = layer * nkv * self.capacity * (self.k_row + self.v_row);
+        let (array_start, row) = match kind {
+            0 => (layer_start, self.k_row),
+            _ => (layer_start + nkv * self.capacity * self.k_row, self.v_row),
+        };
+        array_start + (kv_head * self.capacity + slot) * row
     }
 
-    fn entry_bytes(&self) -> usize {
-        self.ty.kind().row_bytes(self.head_dim)
+    /// Bytes of one entry of head array `head` (its kind's row).
+    #[inline]
+    pub fn entry_bytes(&self, head: usize) -> usize {
+        match head / self.n_kv_heads % 2 {
+            0 => self.k_row,
+            _ => self.v_row,
+        }
     }
 
     /// All slots of one layer's K (or V) for one KV head.
     pub fn head(&self, layer: usize, kind: Kv, kv_head: usize) -> HeadView<'_> {
-        let start = self.offset(self.head_index(layer, kind, kv_head), 0);
-        let len = self.capacity * self.entry_bytes();
+        let h = self.head_index(layer, kind, kv_head);
+        let start = self.offset(h, 0);
+        let len = self.capacity * self.entry_bytes(h);
         HeadView::new(
-            self.ty.kind(),
+            self.types.of(kind).kind(),
             &self.mmap[start..start + len],
             self.head_dim,
         )
@@ -207,15 +227,14 @@ impl HostStore {
     pub fn write(&mut self, layer: usize, slots: &[usize], k: &[f32], v: &[f32]) {
         let (nkv, hd) = (self.n_kv_heads, self.head_dim);
         for (kind, src) in [(Kv::K, k), (Kv::V, v)] {
+            let ty = self.types.of(kind).kind();
             for kvh in 0..nkv {
                 let h = self.head_index(layer, kind, kvh);
+                let eb = self.entry_bytes(h);
                 for (i, &slot) in slots.iter().enumerate() {
                     let from = &src[(i * nkv + kvh) * hd..(i * nkv + kvh + 1) * hd];
                     let off = self.offset(h, slot);
-                    let eb = self.entry_bytes();
-                    self.ty
-                        .kind()
-                        .write_row(from, &mut self.mmap[off..off + eb]);
+                    ty.write_row(from, &mut self.mmap[off..off + eb]);
                 }
             }
         }
@@ -233,20 +252,23 @@ impl HostStore {
         if moved == 0 {
             return 0;
         }
-        let eb = self.entry_bytes();
         self.staging.clear();
-        self.staging.reserve(m.src.len() * self.heads() * eb);
+        self.staging
+            .reserve(m.src.len() * self.n_layers * self.n_kv_heads * (self.k_row + self.v_row));
         for head in 0..self.heads() {
+            let eb = self.entry_bytes(head);
             for &s in &m.src {
                 let off = self.offset(head, s);
                 self.staging.extend_from_slice(&self.mmap[off..off + eb]);
             }
         }
+        let mut staged = 0;
         for head in 0..self.heads() {
+            let eb = self.entry_bytes(head);
             for k in 0..m.src.len() {
                 let off = self.offset(head, m.dst + k);
-                let src = (head * m.src.len() + k) * eb;
-                self.mmap[off..off + eb].copy_from_slice(&self.staging[src..src + eb]);
+                self.mmap[off..off + eb].copy_from_slice(&self.staging[staged..staged + eb]);
+                staged += eb;
             }
         }
         moved
@@ -255,13 +277,13 @@ impl HostStore {
     /// The bytes of entry `slot` of head array `head` (file order for saved prefixes).
     pub fn entry_raw(&self, head: usize, slot: usize) -> &[u8] {
         let off = self.offset(head, slot);
-        &self.mmap[off..off + self.entry_bytes()]
+        &self.mmap[off..off + self.entry_bytes(head)]
     }
 
     /// Writes the bytes of entry `slot` of head array `head`.
     pub fn set_entry_raw(&mut self, head: usize, slot: usize, bytes: &[u8]) {
         let off = self.offset(head, slot);
-        let eb = self.entry_bytes();
+        let eb = self.entry_bytes(head);
         self.mmap[off..off + eb].copy_from_slice(bytes);
     }
 

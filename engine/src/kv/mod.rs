@@ -34,7 +34,7 @@ use candle_core::{Device, Tensor};
 
 pub use cells::{Move, Segment, SeqId};
 pub use device::DeviceLayer;
-pub use kinds::{CacheType, KvKind};
+pub use kinds::{CacheType, KvKind, KvTypes};
 pub use placement::{Placement, Sight, Visible};
 pub use saved::SavedPrefix;
 
@@ -62,13 +62,13 @@ pub struct CacheShape {
 }
 
 impl CacheShape {
-    pub fn bytes_per_token(&self, ty: CacheType) -> usize {
-        self.n_layers * self.layer_bytes_per_token(ty)
+    pub fn bytes_per_token(&self, types: impl Into<KvTypes>) -> usize {
+        self.n_layers * self.layer_bytes_per_token(types)
     }
 
     /// K and V of one layer for one token.
-    pub fn layer_bytes_per_token(&self, ty: CacheType) -> usize {
-        2 * self.n_kv_heads * ty.kind().row_bytes(self.head_dim)
+    pub fn layer_bytes_per_token(&self, types: impl Into<KvTypes>) -> usize {
+        self.n_kv_heads * types.into().row_bytes(self.head_dim)
     }
 }
 
@@ -128,7 +128,7 @@ impl<'a> HeadView<'a> {
 
 pub struct KvCache {
     shape: CacheShape,
-    ty: CacheType,
+    types: KvTypes,
     cells: Cells,
     host: HostStore,
     device: DeviceStore,
@@ -139,13 +139,13 @@ pub struct KvCache {
 
 impl KvCache {
     /// An anonymous (RAM/swap-backed) cache, resident from the start (see `HostStore::new`).
-    pub fn new(shape: CacheShape, ty: CacheType) -> Result<KvCache> {
-        Self::placed(shape, ty, None, None)
+    pub fn new(shape: CacheShape, types: impl Into<KvTypes>) -> Result<KvCache> {
+        Self::placed(shape, types, None, None)
     }
 
     /// A cache backed by the file at `path` (created or truncated to the cache's size).
-    pub fn with_file(shape: CacheShape, ty: CacheType, path: &Path) -> Result<KvCache> {
-        Self::placed(shape, ty, Some(path), None)
+    pub fn with_file(shape: CacheShape, types: impl Into<KvTypes>, path: &Path) -> Result<KvCache> {
+        Self::placed(shape, types, Some(path), None)
     }
 
     /// A cache whose first `n` layers live on `device` (zeroed there); the others in a map,
@@ -153,11 +153,11 @@ impl KvCache {
     /// capacity, [`SeqId::DEFAULT`].
     pub fn placed(
         shape: CacheShape,
-        ty: CacheType,
+        types: impl Into<KvTypes>,
         path: Option<&Path>,
         device_layers: Option<(&Device, usize)>,
     ) -> Result<KvCache> {
-        let mut cache = Self::pool(shape, ty, path, device_layers)?;
+        let mut cache = Self::pool(shape, types, path, device_layers)?;
         let id = cache.cells.add_seq(shape.capacity, &[]);
         debug_assert_eq!(id, Some(SeqId::DEFAULT));
         Ok(cache)
@@ -166,16 +166,17 @@ impl KvCache {
     /// A cache with no sequence yet: [`KvCache::add_seq`] makes them (many requests at once).
     pub fn pool(
         shape: CacheShape,
-        ty: CacheType,
+        types: impl Into<KvTypes>,
         path: Option<&Path>,
         device_layers: Option<(&Device, usize)>,
     ) -> Result<KvCache> {
-        ty.check_head_dim(shape.head_dim).map_err(Error::setup)?;
-        let device = DeviceStore::new(&shape, ty, device_layers)?;
-        let host = HostStore::new(&shape, device.len(), ty, path)?;
+        let types = types.into();
+        types.check_head_dim(shape.head_dim).map_err(Error::setup)?;
+        let device = DeviceStore::new(&shape, types, device_layers)?;
+        let host = HostStore::new(&shape, device.len(), types, path)?;
         Ok(KvCache {
             shape,
-            ty,
+            types,
             cells: Cells::new(shape.capacity),
             host,
             device,
@@ -187,8 +188,9 @@ impl KvCache {
         self.shape
     }
 
-    pub fn cache_type(&self) -> CacheType {
-        self.ty
+    /// The element types of its keys and values.
+    pub fn types(&self) -> KvTypes {
+        self.types
     }
 
     /// Bytes of K/V this cache has written or copied: new entries, and entries moved by commits
@@ -285,7 +287,7 @@ impl KvCache {
         self.device.apply(m)?;
         let moved = self.host.apply(m);
         // Each entry that changes place is staged (read) and written.
-        self.moved += (2 * moved * self.shape.bytes_per_token(self.ty)) as u64;
+        self.moved += (2 * moved * self.shape.bytes_per_token(self.types)) as u64;
         Ok(())
     }
 
@@ -304,7 +306,7 @@ impl KvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<()> {
-        self.moved += (k.dim(0)? * self.shape.layer_bytes_per_token(self.ty)) as u64;
+        self.moved += (k.dim(0)? * self.shape.layer_bytes_per_token(self.types)) as u64;
         self.device.write(layer, index, k, v)
     }
 
@@ -316,7 +318,7 @@ impl KvCache {
     /// Writes the K and V of new entries of one host-resident layer: `k` and `v` hold, for
     /// each slot in `slots`, `n_kv_heads * head_dim` values.
     pub fn write(&mut self, layer: usize, slots: &[usize], k: &[f32], v: &[f32]) {
-        self.moved += (slots.len() * self.shape.layer_bytes_per_token(self.ty)) as u64;
+        self.moved += (slots.len() * self.shape.layer_bytes_per_token(self.types)) as u64;
         self.host.write(layer, slots, k, v);
     }
 

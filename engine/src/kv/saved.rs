@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use super::{CacheType, KvCache, SeqId};
+use super::{KvCache, KvTypes, SeqId};
 use crate::error::{Error, Result};
 
 /// A saved prefix read back by [`KvCache::load_prefix`].
@@ -17,7 +17,8 @@ pub struct SavedPrefix {
 }
 
 const SAVE_MAGIC: &[u8; 4] = super::claim::PREFIX_MAGIC;
-const SAVE_VERSION: u32 = 1;
+/// 2: the type code is a pair ([`KvTypes::code`]); version 1's names one type for both.
+const SAVE_VERSION: u32 = 2;
 const SAVE_HEADER: usize = 4 + 4 + 8 + 4 * 4 + 8 * 3;
 
 /// The file's fixed header, after its magic.
@@ -25,7 +26,7 @@ const SAVE_HEADER: usize = 4 + 4 + 8 + 4 * 4 + 8 * 3;
 struct Header {
     version: u32,
     model_hash: u64,
-    /// The cache type's code ([`super::KvKind::code`]).
+    /// The key and value types' code ([`KvTypes::code`]).
     ty: u32,
     /// Layers, KV heads and head size of the cache it was saved from.
     shape: (usize, usize, usize),
@@ -74,13 +75,20 @@ impl Header {
         }
     }
 
-    /// The file's size as the header describes it (`None` on overflow).
-    fn file_len(&self, entry_bytes: u64) -> Option<u64> {
+    /// The key and value types it holds (`None` for an unknown code).
+    fn types(&self) -> Option<KvTypes> {
+        match self.version {
+            1 => super::CacheType::from_code(self.ty).map(KvTypes::same),
+            _ => KvTypes::from_code(self.ty),
+        }
+    }
+
+    /// The file's size as the header describes it, `pair_bytes` a key and a value row
+    /// (`None` on overflow).
+    fn file_len(&self, pair_bytes: u64) -> Option<u64> {
         let (nl, nkv, _) = self.shape;
-        let n_heads = (nl * 2 * nkv) as u64;
-        let payload = self
-            .entries
-            .checked_mul(n_heads.checked_mul(entry_bytes)?)?;
+        let n_heads = (nl * nkv) as u64;
+        let payload = self.entries.checked_mul(n_heads.checked_mul(pair_bytes)?)?;
         self.entries
             .checked_mul(8)?
             .checked_add(self.extra_len)?
@@ -140,7 +148,7 @@ impl KvCache {
         let header = Header {
             version: SAVE_VERSION,
             model_hash,
-            ty: self.ty.kind().code(),
+            ty: self.types.code(),
             shape: (
                 self.shape.n_layers,
                 self.shape.n_kv_heads,
@@ -229,7 +237,8 @@ impl KvCache {
         }
         let h = Header::parse(bytes);
         self.check_header(&h, model_hash).map_err(|m| bad(&m))?;
-        if h.file_len(self.entry_bytes() as u64) != Some(bytes.len() as u64) {
+        let pair_bytes = self.types.row_bytes(self.shape.head_dim) as u64;
+        if h.file_len(pair_bytes) != Some(bytes.len() as u64) {
             return Err(bad(
                 "the file is truncated or corrupt (its size does not match its header)",
             ));
@@ -255,24 +264,25 @@ impl KvCache {
         })
     }
 
-    /// Bytes of one entry of one head.
-    fn entry_bytes(&self) -> usize {
-        self.ty.kind().row_bytes(self.shape.head_dim)
-    }
-
     /// Whether a file's header fits this model and cache: the mismatch in words if not.
     fn check_header(&self, h: &Header, model_hash: u64) -> std::result::Result<(), String> {
-        if h.version != SAVE_VERSION {
+        if !(1..=SAVE_VERSION).contains(&h.version) {
             return Err(format!("unsupported version {}", h.version));
         }
         if h.model_hash != model_hash {
             return Err("it was saved for another model".into());
         }
-        if h.ty != self.ty.kind().code() {
-            return Err(match CacheType::from_code(h.ty) {
-                Some(t) => format!("it holds a {t:?} cache, this run uses {:?}", self.ty),
-                None => format!("it holds a cache of unknown type {}", h.ty),
-            });
+        match h.types() {
+            Some(t) if t == self.types => {}
+            Some(t) => {
+                return Err(format!(
+                    "it holds a KV cache of {t}, this run's is {} (give -ctk {} -ctv {})",
+                    self.types,
+                    t.k.name(),
+                    t.v.name()
+                ))
+            }
+            None => return Err(format!("it holds a cache of unknown type {:#x}", h.ty)),
         }
         let s = &self.shape;
         if h.shape != (s.n_layers, s.n_kv_heads, s.head_dim) {
@@ -293,15 +303,16 @@ impl KvCache {
         // Device layers first (layer order), each as K then V, `[n_kv_heads, n, head_dim]`.
         let device_bytes = self.device.load_le(payload, n, dst)?;
         let payload = &payload[device_bytes..];
-        let entry_bytes = self.entry_bytes();
+        let mut src = 0;
         for head in 0..self.host.heads() {
+            let entry_bytes = self.host.entry_bytes(head);
             for e in 0..n {
-                let src = (head * n + e) * entry_bytes;
                 self.host
                     .set_entry_raw(head, dst + e, &payload[src..src + entry_bytes]);
+                src += entry_bytes;
             }
         }
-        self.moved += (n * self.shape.bytes_per_token(self.ty)) as u64;
+        self.moved += (n * self.shape.bytes_per_token(self.types)) as u64;
         Ok(SavedPrefix { tokens, extra })
     }
 }

@@ -76,7 +76,7 @@ fn check_ops(mut c: KvCache) {
     assert_eq!(shared, vec![1.0, 2.0, 3.0, 20.0, 22.0, 10.0]);
     assert_eq!(c.shared_positions(), &[1, 2, 3, 20, 22, 10]);
     let v = c.entry(1, Kv::V, 0, 5).unwrap()[1];
-    match c.cache_type() {
+    match c.types().v {
         CacheType::F32 => assert_eq!(v, -(10.0 * 100.0 + 10.0 + 0.01)),
         CacheType::F16 => assert!((v + 1010.01).abs() < 1.0),
         // The block types need whole blocks (32 values): tested at head size 32 below.
@@ -104,6 +104,13 @@ fn check_ops(mut c: KvCache) {
 fn cache_operations_f32_f16_and_file_backed() {
     check_ops(KvCache::new(shape(), CacheType::F32).unwrap());
     check_ops(KvCache::new(shape(), CacheType::F16).unwrap());
+    // Keys and values of different types, their arrays of different sizes.
+    for (k, v) in [
+        (CacheType::F16, CacheType::F32),
+        (CacheType::F32, CacheType::F16),
+    ] {
+        check_ops(KvCache::new(shape(), KvTypes { k, v }).unwrap());
+    }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("kv.bin");
     let c = KvCache::with_file(shape(), CacheType::F32, &path).unwrap();
@@ -124,7 +131,14 @@ fn cache_operations_f32_f16_and_file_backed() {
 fn device_resident_layers_behave_as_mapped_ones() {
     // candle's CPU device stands in for a GPU: the same tensor operations run on both.
     for n in [1, 2] {
-        for ty in [CacheType::F32, CacheType::F16] {
+        for ty in [
+            KvTypes::same(CacheType::F32),
+            KvTypes::same(CacheType::F16),
+            KvTypes {
+                k: CacheType::F16,
+                v: CacheType::F32,
+            },
+        ] {
             let c = KvCache::placed(shape(), ty, None, Some((&Device::Cpu, n))).unwrap();
             assert_eq!(c.device_layers(), n);
             check_ops(c);
@@ -162,6 +176,91 @@ fn saved_prefixes_move_between_device_and_mapped_layers() {
     }
 }
 
+/// Keys and values of different types (`-ctk q8_0 -ctv f16`): rows of each kind read back
+/// within their own type's rounding, a saved prefix moves between the map and device layers and
+/// names the pair, and a cache of the swapped pair refuses it.
+#[test]
+fn keys_and_values_of_different_types() {
+    let wide = CacheShape {
+        head_dim: 32,
+        ..shape()
+    };
+    let types = KvTypes {
+        k: CacheType::Q8_0,
+        v: CacheType::F16,
+    };
+    let mut c = KvCache::new(wide, types).unwrap();
+    let slots = c.allocate(&[0, 0, 0], &[0, 1, 2]).unwrap();
+    let k: Vec<f32> = (0..3 * 2 * 32)
+        .map(|i| ((i * 31) % 53) as f32 * 0.1 - 2.5)
+        .collect();
+    let v: Vec<f32> = k.iter().map(|x| x * 3.0 + 0.5).collect();
+    for layer in 0..2 {
+        c.write(layer, &slots, &k, &v);
+    }
+    c.commit_row(0).unwrap();
+    for (i, &slot) in slots.iter().enumerate() {
+        let want = |all: &[f32]| all[(i * 2 + 1) * 32..(i * 2 + 2) * 32].to_vec();
+        let got_k = c.entry(1, Kv::K, 1, slot).unwrap();
+        let got_v = c.entry(1, Kv::V, 1, slot).unwrap();
+        for (a, b) in got_k.iter().zip(want(&k)) {
+            assert!((a - b).abs() <= 2.6 / 127.0, "key {b} read back as {a}");
+        }
+        for (a, b) in got_v.iter().zip(want(&v)) {
+            assert!(
+                (a - b).abs() <= b.abs() * 1e-3,
+                "value {b} read back as {a}"
+            );
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mixed.kv");
+    c.save_prefix(&path, 42, &[7, 8, 9], b"").unwrap();
+    let mut d = KvCache::new(wide, types).unwrap();
+    d.load_prefix(&path, 42).unwrap();
+    for layer in 0..2 {
+        for kind in [Kv::K, Kv::V] {
+            for s in 0..3 {
+                assert_eq!(
+                    d.entry(layer, kind, 0, s).unwrap(),
+                    c.entry(layer, kind, 0, s).unwrap()
+                );
+            }
+        }
+    }
+    let swapped = KvTypes {
+        k: CacheType::F16,
+        v: CacheType::Q8_0,
+    };
+    let e = KvCache::new(wide, swapped)
+        .unwrap()
+        .load_prefix(&path, 42)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("KV cache of K q8_0, V f16, this run's is K f16, V q8_0"),
+        "{e}"
+    );
+    // Device layers (f16 keys, f32 values there) write and read the file's entries the same.
+    let dev_types = KvTypes {
+        k: CacheType::F16,
+        v: CacheType::F32,
+    };
+    let mut host = KvCache::new(wide, dev_types).unwrap();
+    let slots = host.allocate(&[0, 0, 0], &[0, 1, 2]).unwrap();
+    for layer in 0..2 {
+        host.write(layer, &slots, &k, &v);
+    }
+    host.commit_row(0).unwrap();
+    let p2 = dir.path().join("dev.kv");
+    host.save_prefix(&p2, 42, &[7, 8, 9], b"").unwrap();
+    let mut dev = KvCache::placed(wide, dev_types, None, Some((&Device::Cpu, 1))).unwrap();
+    dev.load_prefix(&p2, 42).unwrap();
+    let p3 = dir.path().join("dev2.kv");
+    dev.save_prefix(&p3, 42, &[7, 8, 9], b"").unwrap();
+    assert_eq!(std::fs::read(&p2).unwrap(), std::fs::read(&p3).unwrap());
+}
+
 #[test]
 fn saved_prefixes_round_trip_and_mismatches_are_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -188,11 +287,20 @@ fn saved_prefixes_round_trip_and_mismatches_are_refused() {
         "a refused file leaves the cache as it was"
     );
     let mut h = KvCache::new(shape(), CacheType::F16).unwrap();
-    assert!(h
-        .load_prefix(&path, 42)
-        .unwrap_err()
-        .to_string()
-        .contains("F32"));
+    let e = h.load_prefix(&path, 42).unwrap_err().to_string();
+    assert!(
+        e.contains("KV cache of f32, this run's is f16 (give -ctk f32 -ctv f32)"),
+        "{e}"
+    );
+    // A file of version 1 (one type code for keys and values) still loads.
+    let mut v1 = std::fs::read(&path).unwrap();
+    v1[4..8].copy_from_slice(&1u32.to_le_bytes());
+    v1[16..20].copy_from_slice(&CacheType::F32.kind().code().to_le_bytes());
+    let old = dir.path().join("v1.kv");
+    std::fs::write(&old, &v1).unwrap();
+    let mut d1 = KvCache::new(shape(), CacheType::F32).unwrap();
+    assert_eq!(d1.load_prefix(&old, 42).unwrap().tokens, vec![7, 8, 9]);
+    assert_eq!(d1.shared_positions(), &[0, 2, 1]);
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
     assert!(d
@@ -276,6 +384,6 @@ fn block_types_store_rows_and_their_prefix_files_name_them() {
         }
         let mut f = KvCache::new(wide, CacheType::F32).unwrap();
         let e = f.load_prefix(&path, 42).unwrap_err().to_string();
-        assert!(e.contains(&format!("{ty:?}")), "{e}");
+        assert!(e.contains(&format!("KV cache of {}", ty.name())), "{e}");
     }
 }

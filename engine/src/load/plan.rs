@@ -8,7 +8,7 @@ use std::fmt;
 use refusion_gguf::human_bytes;
 use refusion_gguf::{GgmlType, GgufHeader, TensorInfo};
 
-use crate::kv::CacheType;
+use crate::kv::{CacheType, KvTypes};
 use crate::model::device_attention::ATTN_TILE;
 use crate::model::{kquants, Qwen3Config};
 
@@ -58,6 +58,8 @@ pub struct ModelSizes {
     pub output_repack: u64,
     /// K and V of one layer for one token.
     pub kv_per_layer_token: u64,
+    /// The types they are stored as (what the advice on a cache too large steps down from).
+    pub kv_types: KvTypes,
     pub hidden: u64,
     pub ffn: u64,
     pub n_heads: u64,
@@ -83,7 +85,7 @@ fn repack_extra(t: &TensorInfo) -> u64 {
 }
 
 impl ModelSizes {
-    pub fn from_gguf(header: &GgufHeader, cfg: &Qwen3Config, cache_type: CacheType) -> ModelSizes {
+    pub fn from_gguf(header: &GgufHeader, cfg: &Qwen3Config, cache_types: KvTypes) -> ModelSizes {
         let mut layer_weights = vec![0u64; cfg.n_layers];
         let mut layer_repack = vec![0u64; cfg.n_layers];
         let (mut output_weights, mut output_repack) = (0u64, 0u64);
@@ -108,8 +110,8 @@ impl ModelSizes {
             layer_repack,
             output_weights,
             output_repack,
-            kv_per_layer_token: (2 * cfg.n_kv_heads * cache_type.kind().row_bytes(cfg.head_dim))
-                as u64,
+            kv_per_layer_token: (cfg.n_kv_heads * cache_types.row_bytes(cfg.head_dim)) as u64,
+            kv_types: cache_types,
             hidden: cfg.hidden as u64,
             ffn: cfg.ffn as u64,
             n_heads: cfg.n_heads as u64,
@@ -297,7 +299,7 @@ impl MemoryPlan {
             program: req.program,
         };
 
-        match plan.refusal() {
+        match plan.refusal(sizes) {
             Some(reason) => Err(Box::new(Refused { reason, plan })),
             None => Ok(plan),
         }
@@ -305,7 +307,7 @@ impl MemoryPlan {
 
     /// Why this plan does not fit, when it does not: the GPU's share beyond its free memory,
     /// or the CPU's beyond what is available (the weights, the KV cache or the scratch named).
-    fn refusal(&self) -> Option<String> {
+    fn refusal(&self, sizes: &ModelSizes) -> Option<String> {
         if let Some(g) = &self.gpu {
             if self.on_gpu.total() + GPU_RESERVE > g.free && self.gpu_layers > 0 {
                 return Some(format!(
@@ -335,11 +337,11 @@ impl MemoryPlan {
             )
         } else if c.weights + c.kv > avail {
             format!(
-                "the KV cache for {} tokens needs {} on the CPU but only {} of memory is available besides the weights; \
-                 lower -c, use --cache-type f16, or back it with a file (--kv-file)",
+                "the KV cache for {} tokens needs {} on the CPU but only {} of memory is available besides the weights; {}",
                 self.kv_entries,
                 human_bytes(c.kv),
-                human_bytes(avail - c.weights)
+                human_bytes(avail - c.weights),
+                self.kv_advice(sizes, avail - c.weights - c.scratch.min(avail - c.weights)),
             )
         } else {
             format!(
@@ -351,6 +353,36 @@ impl MemoryPlan {
                 human_bytes(avail - c.weights - c.kv)
             )
         })
+    }
+}
+
+impl MemoryPlan {
+    /// What would make the CPU's KV cache fit in `room` bytes: the largest `-c` at its types,
+    /// the first smaller types (q8_0, then q4_0, for keys and values) that hold this context,
+    /// or a file.
+    fn kv_advice(&self, sizes: &ModelSizes, room: u64) -> String {
+        let c = self.on_cpu.kv.max(1);
+        let context = (self.context as u128 * room as u128 / c as u128) as u64 / 256 * 256;
+        let lower = if context > 0 {
+            format!("lower -c to {context}")
+        } else {
+            "lower -c".to_string()
+        };
+        let hd = sizes.head_dim as usize;
+        let now = sizes.kv_types.row_bytes(hd) as u64;
+        let smaller = [CacheType::Q8_0, CacheType::Q4_0]
+            .map(KvTypes::same)
+            .into_iter()
+            .filter(|t| t.check_head_dim(hd).is_ok() && (t.row_bytes(hd) as u64) < now)
+            .find(|t| c / now * t.row_bytes(hd) as u64 <= room);
+        match smaller {
+            Some(t) => format!(
+                "{lower}, use -ctk {} -ctv {}, or back it with a file (--kv-file)",
+                t.k.name(),
+                t.v.name()
+            ),
+            None => format!("{lower} or back it with a file (--kv-file)"),
+        }
     }
 }
 
@@ -463,6 +495,7 @@ mod tests {
             output_weights: 650 << 20,
             output_repack: 650 << 20,
             kv_per_layer_token: 2 * 8 * 128 * 2,
+            kv_types: KvTypes::same(CacheType::F16),
             hidden: 4096,
             ffn: 12288,
             n_heads: 32,
@@ -557,6 +590,15 @@ mod tests {
         r.context = 40_000;
         let e = MemoryPlan::new(&s, &r).unwrap_err();
         assert!(e.reason.contains("--kv-file"), "{}", e.reason);
+        // The cache advice names the context and the types that would fit.
+        assert!(
+            e.reason.contains("lower -c to ") && e.reason.contains("-ctk q4_0 -ctv q4_0"),
+            "{}",
+            e.reason
+        );
+        r.context = 20_000;
+        let e = MemoryPlan::new(&s, &r).unwrap_err();
+        assert!(e.reason.contains("-ctk q8_0 -ctv q8_0"), "{}", e.reason);
         r.kv_in_file = true;
         let p = MemoryPlan::new(&s, &r).unwrap();
         assert_eq!(p.on_cpu.kv, 0);

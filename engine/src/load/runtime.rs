@@ -12,7 +12,7 @@ use super::Notes;
 use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
 use crate::kv::claim::{claim, CacheFile};
-use crate::kv::{CacheType, KvCache};
+use crate::kv::{KvCache, KvTypes};
 use crate::load::plan::{GpuInfo, GpuLayers, MemoryPlan, ModelSizes, PlanRequest, Workload};
 use crate::model::{Forward, Offload, Qwen3, Qwen3Config};
 
@@ -163,7 +163,8 @@ pub struct LoadOptions {
     /// Context size in entries; 0 means the model's trained context, `None`
     /// [`DEFAULT_CONTEXT`] or the trained context if smaller.
     pub context: Option<usize>,
-    pub cache_type: CacheType,
+    /// The KV cache's key and value types (`-ctk`, `-ctv`).
+    pub cache_types: KvTypes,
     pub kv_file: Option<PathBuf>,
     pub device: DeviceChoice,
     /// `-ngl`; `None` means auto (and no warning when there is no GPU).
@@ -193,29 +194,34 @@ pub struct Loaded {
     /// The context (`-c`) in tokens: prompt plus answer.
     pub context: usize,
     pub plan: MemoryPlan,
-    cache_type: CacheType,
+    cache_types: KvTypes,
     kv_file: Option<PathBuf>,
     verbose: bool,
     notes: Notes,
 }
 
 impl Loaded {
+    /// The KV cache's key and value types (`-ctk`, `-ctv`).
+    pub fn cache_types(&self) -> KvTypes {
+        self.cache_types
+    }
+
     /// A KV cache of `capacity` entries (the context plus any scratch the caller needs).
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         let shape = self.model.cache_shape(capacity);
         let host_layers = shape.n_layers - self.model.gpu_layers().min(shape.n_layers);
-        let kv_bytes = (shape.layer_bytes_per_token(self.cache_type) as u64)
+        let kv_bytes = (shape.layer_bytes_per_token(self.cache_types) as u64)
             .saturating_mul(host_layers as u64)
             .saturating_mul(capacity as u64);
         if self.kv_file.is_none() {
             if let Some(avail) = available_memory() {
                 if kv_bytes > avail {
                     return Err(Error::setup(format!(
-                        "the KV cache for {capacity} tokens needs {} ({} per token, {:?}) but only {} of memory is available; \
-                         lower -c, use --cache-type f16, or back it with a file (--kv-file)",
+                        "the KV cache for {capacity} tokens needs {} ({} per token, {}) but only {} of memory is available; \
+                         lower -c, use a smaller -ctk/-ctv (q8_0 halves f16), or back it with a file (--kv-file)",
                         mib(kv_bytes),
-                        shape.bytes_per_token(self.cache_type),
-                        self.cache_type,
+                        shape.bytes_per_token(self.cache_types),
+                        self.cache_types,
                         mib(avail)
                     )));
                 }
@@ -223,12 +229,12 @@ impl Loaded {
         }
         let cache = self
             .model
-            .new_cache(capacity, self.cache_type, self.kv_file.as_deref())?;
+            .new_cache(capacity, self.cache_types, self.kv_file.as_deref())?;
         if self.verbose {
-            let per_token = shape.bytes_per_token(self.cache_type);
+            let per_token = shape.bytes_per_token(self.cache_types);
             self.notes.say(&format!(
-                "KV cache: {capacity} entries x {per_token} bytes per token ({:?}, {:.1} MiB{})",
-                self.cache_type,
+                "KV cache: {capacity} entries x {per_token} bytes per token ({}, {:.1} MiB{})",
+                self.cache_types,
                 (per_token * capacity) as f64 / (1 << 20) as f64,
                 self.kv_file
                     .as_ref()
@@ -421,7 +427,7 @@ fn finish_load(
         load_seconds,
         context,
         plan,
-        cache_type: opts.cache_type,
+        cache_types: opts.cache_types,
         kv_file: opts.kv_file.clone(),
         verbose: opts.verbose,
         notes: opts.notes.clone(),
@@ -474,10 +480,10 @@ fn load_weights(
             ));
         }
     }
-    opts.cache_type
+    opts.cache_types
         .check_head_dim(cfg.head_dim)
         .map_err(Error::setup)?;
-    let sizes = ModelSizes::from_gguf(&file.header, &cfg, opts.cache_type);
+    let sizes = ModelSizes::from_gguf(&file.header, &cfg, opts.cache_types);
     let request = PlanRequest {
         gpu,
         layers: opts.gpu_layers.unwrap_or(GpuLayers::Auto),
@@ -491,11 +497,16 @@ fn load_weights(
     };
     let plan = MemoryPlan::new(&sizes, &request)
         .map_err(|r| Error::setup(format!("{}\n{}", r.reason, r.plan)))?;
-    if plan.gpu_layers > 0 && opts.cache_type.kind().dtype().is_none() {
-        return Err(Error::setup(format!(
-            "the {} KV cache has no GPU path yet: use -ngl 0, or --cache-type f16",
-            opts.cache_type.name()
-        )));
+    if plan.gpu_layers > 0 {
+        for (flag, t) in [("-ctk", opts.cache_types.k), ("-ctv", opts.cache_types.v)] {
+            if t.kind().dtype().is_none() {
+                return Err(Error::setup(format!(
+                    "{flag} {}: a {} KV cache has no GPU path yet; use -ngl 0, or {flag} f16",
+                    t.name(),
+                    t.name()
+                )));
+            }
+        }
     }
     if plan.gpu.is_some() || opts.verbose {
         opts.notes.say(&plan.to_string());

@@ -384,11 +384,11 @@ impl Qwen3 {
     pub fn new_cache(
         &self,
         capacity: usize,
-        ty: crate::kv::CacheType,
+        types: impl Into<crate::kv::KvTypes>,
         path: Option<&std::path::Path>,
     ) -> Result<KvCache> {
         let device = self.offload.as_ref().map(|o| (&o.device, o.layers));
-        KvCache::placed(self.cache_shape(capacity), ty, path, device)
+        KvCache::placed(self.cache_shape(capacity), types, path, device)
     }
 
     /// The cache geometry for a context of `capacity` entries.

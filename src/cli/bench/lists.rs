@@ -1,5 +1,6 @@
-//! llama-bench's lists of models and thread counts: `-m a.gguf,b.gguf` (or `-m` repeated) and
-//! `-t 1,2,4`. The thread pools are sized once per process, so each (model, threads) pair runs
+//! llama-bench's lists of models, thread counts and KV cache types: `-m a.gguf,b.gguf` (or `-m`
+//! repeated), `-t 1,2,4`, `-ctk f16,q8_0`, `-ctv f16,q8_0`. The thread pools are sized once per
+//! process, so each combination (models outermost, then threads, key types, value types) runs
 //! as a child `refusion bench` with the other flags unchanged, one after the other, and their
 //! rows make one table (one header; `-o json` one array).
 
@@ -8,11 +9,20 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 
+/// The flags that take lists, each with the spellings it is given by, in the order their
+/// combinations run (the first outermost).
+const AXES: [(&str, &[&str]); 4] = [
+    ("-m", &["-m", "--model"]),
+    ("-t", &["-t", "--threads"]),
+    ("--cache-type-k", &["-ctk", "--cache-type-k"]),
+    ("--cache-type-v", &["-ctv", "--cache-type-v"]),
+];
+
 /// The flags that take lists here, and the rest of the command line.
 #[derive(Debug)]
 struct Lists {
-    models: Vec<String>,
-    threads: Vec<String>,
+    /// The values given for each of [`AXES`] (empty: not given).
+    lists: [Vec<String>; 4],
     rest: Vec<String>,
     format: String,
     /// `--rounds`: every pair once per round, in turn (1: each pair's own output, as is).
@@ -21,7 +31,8 @@ struct Lists {
 
 /// Splits `bench`'s arguments (after the subcommand); `None` when there are no lists.
 fn parse(args: &[String]) -> Result<Option<Lists>> {
-    let (mut models, mut threads, mut rest) = (Vec::new(), Vec::new(), Vec::new());
+    let mut lists: [Vec<String>; 4] = Default::default();
+    let mut rest = Vec::new();
     let mut format = "md".to_string();
     let mut rounds = 1;
     let mut it = args.iter();
@@ -39,9 +50,14 @@ fn parse(args: &[String]) -> Result<Option<Lists>> {
             rest.extend(["-o".to_string(), v.to_string()]);
             continue;
         }
-        let target = match flag {
-            "-m" | "--model" => &mut models,
-            "-t" | "--threads" => &mut threads,
+        if let Some(axis) = AXES.iter().position(|(_, names)| names.contains(&flag)) {
+            let Some(v) = inline.or_else(|| it.next().cloned()) else {
+                bail!("{flag} needs a value");
+            };
+            lists[axis].extend(v.split(',').map(str::to_string));
+            continue;
+        }
+        match flag {
             "--rounds" => {
                 let v = inline.or_else(|| it.next().cloned()).unwrap_or_default();
                 rounds = v
@@ -49,28 +65,19 @@ fn parse(args: &[String]) -> Result<Option<Lists>> {
                     .ok()
                     .filter(|&r| r > 0)
                     .ok_or_else(|| anyhow::anyhow!("--rounds {v}: expected a number from 1"))?;
-                continue;
             }
             "-o" | "--output" => {
                 let v = inline.or_else(|| it.next().cloned()).unwrap_or_default();
                 format = v.clone();
                 rest.extend([flag.to_string(), v]);
-                continue;
             }
-            _ => {
-                rest.push(arg.clone());
-                continue;
-            }
-        };
-        let Some(v) = inline.or_else(|| it.next().cloned()) else {
-            bail!("{flag} needs a value");
-        };
-        target.extend(v.split(',').map(str::to_string));
+            _ => rest.push(arg.clone()),
+        }
     }
     if rest.iter().any(|a| a == "--json") {
         format = "jsonl".into();
     }
-    if models.len() <= 1 && threads.len() <= 1 {
+    if lists.iter().all(|l| l.len() <= 1) {
         return Ok(None);
     }
     if rounds > 1 {
@@ -82,8 +89,7 @@ fn parse(args: &[String]) -> Result<Option<Lists>> {
         }
     }
     Ok(Some(Lists {
-        models,
-        threads,
+        lists,
         rest,
         format,
         rounds,
@@ -116,64 +122,76 @@ pub fn run_if_lists(argv: &[OsString]) -> Option<i32> {
     }
 }
 
-/// Every pair in order (models outer, threads inner), checked first: every model a file,
-/// every thread count a number.
+/// Every combination of the lists' values, as the flags each child gets (`-m a.gguf -t 2 ...`):
+/// the first list outermost; a flag not given is left out.
+fn combinations(lists: &[Vec<String>; 4]) -> Vec<Vec<String>> {
+    let mut all = vec![Vec::new()];
+    for ((flag, _), values) in AXES.iter().zip(lists) {
+        if values.is_empty() {
+            continue;
+        }
+        all = all
+            .into_iter()
+            .flat_map(|args| {
+                values.iter().map(move |v| {
+                    let mut a = args.clone();
+                    a.extend([flag.to_string(), v.clone()]);
+                    a
+                })
+            })
+            .collect();
+    }
+    all
+}
+
+/// Every combination in order, checked first: every model a file, every thread count a
+/// number, every cache type a name.
 fn run_all(l: &Lists) -> Result<i32> {
-    for m in &l.models {
+    let [models, threads, ctk, ctv] = &l.lists;
+    for m in models {
         if !std::path::Path::new(m).is_file() {
             bail!("{m}: no such model file");
         }
     }
-    for t in &l.threads {
+    for t in threads {
         t.parse::<usize>()
             .map_err(|_| anyhow::anyhow!("-t {t}: expected a thread count"))?;
     }
+    for (flag, t) in ctk
+        .iter()
+        .map(|t| ("-ctk", t))
+        .chain(ctv.iter().map(|t| ("-ctv", t)))
+    {
+        t.parse::<refusion_engine::kv::CacheType>()
+            .map_err(|e| anyhow::anyhow!("{flag} {t}: {e}"))?;
+    }
     let exe = std::env::current_exe().context("cannot find this program to run each model")?;
-    let models: Vec<Option<&String>> = if l.models.is_empty() {
-        vec![None]
-    } else {
-        l.models.iter().map(Some).collect()
-    };
-    let threads: Vec<Option<&String>> = if l.threads.is_empty() {
-        vec![None]
-    } else {
-        l.threads.iter().map(Some).collect()
-    };
+    let combos = combinations(&l.lists);
     if l.rounds > 1 {
-        return run_rounds(l, &exe, &models, &threads);
+        return run_rounds(l, &exe, &combos);
     }
     let json = l.format == "json";
     let mut objects = Vec::new();
-    let mut first = true;
-    for m in &models {
-        for t in &threads {
-            let mut cmd = Command::new(&exe);
-            cmd.arg("bench").args(&l.rest);
-            if let Some(m) = m {
-                cmd.args(["-m", m]);
+    for (i, combo) in combos.iter().enumerate() {
+        let mut cmd = Command::new(&exe);
+        cmd.arg("bench").args(&l.rest).args(combo);
+        if i > 0 {
+            cmd.arg("--no-header");
+        }
+        if json {
+            // Each run's array, gathered into one.
+            cmd.stdout(Stdio::piped());
+            let out = cmd.output().context("cannot run bench")?;
+            if !out.status.success() {
+                return Ok(out.status.code().unwrap_or(1));
             }
-            if let Some(t) = t {
-                cmd.args(["-t", t]);
-            }
-            if !first {
-                cmd.arg("--no-header");
-            }
-            first = false;
-            if json {
-                // Each run's array, gathered into one.
-                cmd.stdout(Stdio::piped());
-                let out = cmd.output().context("cannot run bench")?;
-                if !out.status.success() {
-                    return Ok(out.status.code().unwrap_or(1));
-                }
-                let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)
-                    .context("a bench run printed no JSON array")?;
-                objects.extend(rows);
-            } else {
-                let status = cmd.status().context("cannot run bench")?;
-                if !status.success() {
-                    return Ok(status.code().unwrap_or(1));
-                }
+            let rows: Vec<serde_json::Value> =
+                serde_json::from_slice(&out.stdout).context("a bench run printed no JSON array")?;
+            objects.extend(rows);
+        } else {
+            let status = cmd.status().context("cannot run bench")?;
+            if !status.success() {
+                return Ok(status.code().unwrap_or(1));
             }
         }
     }
@@ -183,14 +201,10 @@ fn run_all(l: &Lists) -> Result<i32> {
     Ok(0)
 }
 
-/// With `--rounds`: every pair once per round, in turn, each as `-o json`; then one row per
-/// pair and test, the median round with the rounds' range, in the format asked for.
-fn run_rounds(
-    l: &Lists,
-    exe: &std::path::Path,
-    models: &[Option<&String>],
-    threads: &[Option<&String>],
-) -> Result<i32> {
+/// With `--rounds`: every combination once per round, in turn, each as `-o json`; then one
+/// row per combination and test, the median round with the rounds' range, in the format
+/// asked for.
+fn run_rounds(l: &Lists, exe: &std::path::Path, combos: &[Vec<String>]) -> Result<i32> {
     // The children's own format flags are replaced by `-o json`.
     let mut rest = Vec::new();
     let mut it = l.rest.iter();
@@ -203,21 +217,14 @@ fn run_rounds(
             _ => rest.push(a.clone()),
         }
     }
-    let pairs: Vec<(Option<&String>, Option<&String>)> = models
-        .iter()
-        .flat_map(|m| threads.iter().map(move |t| (*m, *t)))
-        .collect();
-    let mut got: Vec<Vec<Vec<serde_json::Value>>> = vec![Vec::new(); pairs.len()];
+    let mut got: Vec<Vec<Vec<serde_json::Value>>> = vec![Vec::new(); combos.len()];
     for _ in 0..l.rounds {
-        for (i, (m, t)) in pairs.iter().enumerate() {
+        for (i, combo) in combos.iter().enumerate() {
             let mut cmd = Command::new(exe);
-            cmd.arg("bench").args(&rest).args(["-o", "json"]);
-            if let Some(m) = m {
-                cmd.args(["-m", m]);
-            }
-            if let Some(t) = t {
-                cmd.args(["-t", t]);
-            }
+            cmd.arg("bench")
+                .args(&rest)
+                .args(["-o", "json"])
+                .args(combo);
             cmd.stdout(Stdio::piped());
             let out = cmd.output().context("cannot run bench")?;
             if !out.status.success() {
@@ -286,14 +293,14 @@ mod tests {
         let l = parse(&args("-m a.gguf,b.gguf -t 1,2 -p 1,16 -o csv"))
             .unwrap()
             .unwrap();
-        assert_eq!(l.models, ["a.gguf", "b.gguf"]);
-        assert_eq!(l.threads, ["1", "2"]);
+        assert_eq!(l.lists[0], ["a.gguf", "b.gguf"]);
+        assert_eq!(l.lists[1], ["1", "2"]);
         assert_eq!(l.rest, args("-p 1,16 -o csv"));
         assert_eq!(l.format, "csv");
         let l = parse(&args("-m a.gguf --model=b.gguf --json"))
             .unwrap()
             .unwrap();
-        assert_eq!(l.models, ["a.gguf", "b.gguf"]);
+        assert_eq!(l.lists[0], ["a.gguf", "b.gguf"]);
         assert_eq!(l.format, "jsonl");
         let l = parse(&args("-m a.gguf,b.gguf --rounds 3 -p 1"))
             .unwrap()
@@ -310,6 +317,39 @@ mod tests {
         assert_eq!(
             (l.format.as_str(), l.rest.clone()),
             ("json", args("-o json"))
+        );
+    }
+
+    #[test]
+    fn cache_type_lists_combine_with_the_others() {
+        assert!(parse(&args("-m a.gguf -ctk q8_0 -ctv f16"))
+            .unwrap()
+            .is_none());
+        let l = parse(&args("-m a.gguf -ctk f16,q8_0 --cache-type-v=q4_0 -p 1"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(l.rest, args("-p 1"));
+        assert_eq!(
+            combinations(&l.lists),
+            [
+                args("-m a.gguf --cache-type-k f16 --cache-type-v q4_0"),
+                args("-m a.gguf --cache-type-k q8_0 --cache-type-v q4_0"),
+            ]
+        );
+        let l = parse(&args("-t 1,2 -ctk f16,q8_0")).unwrap().unwrap();
+        assert_eq!(
+            combinations(&l.lists),
+            [
+                args("-t 1 --cache-type-k f16"),
+                args("-t 1 --cache-type-k q8_0"),
+                args("-t 2 --cache-type-k f16"),
+                args("-t 2 --cache-type-k q8_0"),
+            ]
+        );
+        let e = run_all(&parse(&args("-ctk f16,q9")).unwrap().unwrap()).unwrap_err();
+        assert!(
+            e.to_string().contains("-ctk q9: unknown cache type 'q9'"),
+            "{e}"
         );
     }
 

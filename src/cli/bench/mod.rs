@@ -82,8 +82,8 @@ pub struct BenchArgs {
 }
 
 /// The forward table's header, as llama-bench's.
-pub(super) const TABLE_HEAD: &str = "| model                          |       size |     params | backend       | threads |            test |                  t/s |";
-pub(super) const TABLE_RULE: &str = "| ------------------------------ | ---------: | ---------: | ------------- | ------: | --------------: | -------------------: |";
+pub(super) const TABLE_HEAD: &str = "| model                          |       size |     params | backend       | threads | type_k | type_v |            test |                  t/s |";
+pub(super) const TABLE_RULE: &str = "| ------------------------------ | ---------: | ---------: | ------------- | ------: | -----: | -----: | --------------: | -------------------: |";
 
 /// One test's result.
 #[derive(Clone)]
@@ -201,7 +201,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
 }
 
 /// The CSV header of forward tests.
-pub(super) const CSV_HEAD: &str = "model,size,params,backend,threads,kernels,test,n_tokens,prefix,tokens_per_s,stddev,ms_per_forward,rounds,tokens_per_s_low,tokens_per_s_high";
+pub(super) const CSV_HEAD: &str = "model,size,params,backend,threads,kernels,test,n_tokens,prefix,tokens_per_s,stddev,ms_per_forward,rounds,tokens_per_s_low,tokens_per_s_high,type_k,type_v";
 
 /// A forward test (its JSON object, [`ModelLine::json`]) as a row of llama-bench's table: the
 /// median round and the range with `--rounds`, else the rate and its spread.
@@ -219,12 +219,14 @@ pub(super) fn table_row(v: &serde_json::Value) -> String {
         format!("{:.2} ± {:.2}", f("tokens_per_s"), f("stddev"))
     };
     format!(
-        "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>15} | {:>20} |",
+        "| {:<30} | {:>10} | {:>10} | {:<13} | {:>7} | {:>6} | {:>6} | {:>15} | {:>20} |",
         text(v, "model"),
         human_bytes(v["size"].as_u64().unwrap_or(0)),
         params,
         text(v, "backend"),
         text(v, "threads"),
+        text(v, "type_k"),
+        text(v, "type_v"),
         text(v, "test"),
         rate,
     )
@@ -234,7 +236,7 @@ pub(super) fn table_row(v: &serde_json::Value) -> String {
 pub(super) fn csv_row(v: &serde_json::Value) -> String {
     let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
     format!(
-        "\"{}\",{},{},{},{},{},{},{},{},{:.4},{:.4},{:.4},{},{:.4},{:.4}",
+        "\"{}\",{},{},{},{},{},{},{},{},{:.4},{:.4},{:.4},{},{:.4},{:.4},{},{}",
         text(v, "model"),
         text(v, "size"),
         text(v, "params"),
@@ -250,6 +252,8 @@ pub(super) fn csv_row(v: &serde_json::Value) -> String {
         text(v, "rounds"),
         f("tokens_per_s_low"),
         f("tokens_per_s_high"),
+        text(v, "type_k"),
+        text(v, "type_v"),
     )
 }
 
@@ -399,6 +403,8 @@ struct ModelLine {
     backend: String,
     threads: usize,
     kernels: &'static str,
+    /// The KV cache's types (llama-bench's `type_k`, `type_v`).
+    types: refusion_engine::kv::KvTypes,
 }
 
 impl ModelLine {
@@ -427,6 +433,7 @@ impl ModelLine {
             backend,
             threads,
             kernels: refusion_engine::model::kquants::path_name(),
+            types: loaded.cache_types(),
         }
     }
 
@@ -446,6 +453,8 @@ impl ModelLine {
             "tokens_per_s_low": r.low,
             "tokens_per_s_high": r.high,
             "threads": self.threads,
+            "type_k": self.types.k.name(),
+            "type_v": self.types.v.name(),
             "backend": self.backend,
             "kernels": self.kernels,
             "prefetch_tiles": refusion_engine::model::kquants::prefetch_tiles(),

@@ -98,6 +98,71 @@ impl CacheType {
     }
 }
 
+/// The element types of keys and of values (`-ctk`, `-ctv`; `--cache-type` sets both): they
+/// may differ, as llama.cpp's. The cache, its files and the memory plan take a pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvTypes {
+    pub k: CacheType,
+    pub v: CacheType,
+}
+
+impl KvTypes {
+    /// Keys and values of one type.
+    pub const fn same(t: CacheType) -> KvTypes {
+        KvTypes { k: t, v: t }
+    }
+
+    /// The type of keys or of values.
+    pub fn of(self, kind: super::Kv) -> CacheType {
+        match kind {
+            super::Kv::K => self.k,
+            super::Kv::V => self.v,
+        }
+    }
+
+    /// Bytes of one key row and one value row of `head_dim` values.
+    pub fn row_bytes(self, head_dim: usize) -> usize {
+        self.k.kind().row_bytes(head_dim) + self.v.kind().row_bytes(head_dim)
+    }
+
+    /// Whether both types take rows of `head_dim` values; the mistake in words if not.
+    pub fn check_head_dim(self, head_dim: usize) -> std::result::Result<(), String> {
+        self.k.check_head_dim(head_dim)?;
+        self.v.check_head_dim(head_dim)
+    }
+
+    /// The pair's code in a file header: the key type's code in the low 16 bits, the value
+    /// type's in the high ones (every code is a GGML type id, below 2^16).
+    pub fn code(self) -> u32 {
+        self.k.kind().code() | (self.v.kind().code() << 16)
+    }
+
+    /// The pair whose header code is `code` ([`KvTypes::code`]).
+    pub fn from_code(code: u32) -> Option<KvTypes> {
+        Some(KvTypes {
+            k: CacheType::from_code(code & 0xffff)?,
+            v: CacheType::from_code(code >> 16)?,
+        })
+    }
+}
+
+impl From<CacheType> for KvTypes {
+    fn from(t: CacheType) -> KvTypes {
+        KvTypes::same(t)
+    }
+}
+
+/// One name when keys and values share their type (`q8_0`), else both (`K q8_0, V f16`).
+impl std::fmt::Display for KvTypes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.k == self.v {
+            f.write_str(self.k.name())
+        } else {
+            write!(f, "K {}, V {}", self.k.name(), self.v.name())
+        }
+    }
+}
+
 impl std::str::FromStr for CacheType {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
@@ -163,5 +228,32 @@ mod tests {
         assert!(CacheType::Q8_0.check_head_dim(128).is_ok());
         assert!(CacheType::Q8_0.check_head_dim(24).is_err());
         assert!(CacheType::F16.check_head_dim(24).is_ok());
+    }
+
+    #[test]
+    fn pairs_of_types_have_one_code_and_a_name() {
+        for k in CacheType::ALL {
+            for v in CacheType::ALL {
+                let t = KvTypes { k, v };
+                assert_eq!(KvTypes::from_code(t.code()), Some(t));
+                assert_eq!(
+                    t.row_bytes(64),
+                    k.kind().row_bytes(64) + v.kind().row_bytes(64)
+                );
+            }
+        }
+        assert_eq!(KvTypes::same(CacheType::Q8_0).to_string(), "q8_0");
+        let mixed = KvTypes {
+            k: CacheType::Q8_0,
+            v: CacheType::F16,
+        };
+        assert_eq!(mixed.to_string(), "K q8_0, V f16");
+        assert!(KvTypes {
+            k: CacheType::F16,
+            v: CacheType::Q4_0
+        }
+        .check_head_dim(24)
+        .is_err());
+        assert_eq!(KvTypes::from_code(0x7777), None);
     }
 }

@@ -1,7 +1,7 @@
 //! Tests of the module above (x86: the fast path against the portable loops).
 
 use super::*;
-use crate::kv::{CacheShape, CacheType, KvCache, SeqId};
+use crate::kv::{CacheShape, CacheType, KvCache, KvTypes, SeqId};
 
 fn lcg(seed: &mut u64) -> f32 {
     *seed = seed
@@ -40,7 +40,23 @@ fn the_fast_path_gives_the_portable_loops_floats() {
             CacheType::Q8_0,
             CacheType::Q4_0,
         ]
+        .map(KvTypes::same)
         .into_iter()
+        // Keys and values of different types (-ctk/-ctv), f32 beside a decoded type too.
+        .chain([
+            KvTypes {
+                k: CacheType::Q8_0,
+                v: CacheType::F16,
+            },
+            KvTypes {
+                k: CacheType::F32,
+                v: CacheType::Q4_0,
+            },
+            KvTypes {
+                k: CacheType::Bf16,
+                v: CacheType::F32,
+            },
+        ])
         .filter(move |t| t.check_head_dim(c.0).is_ok())
         .map(move |t| (c, t))
     }) {
@@ -101,13 +117,11 @@ fn the_fast_path_gives_the_portable_loops_floats() {
         };
         assert!(
             same(&run(1)),
-            "head_dim {hd}, {}: the AVX2 path differs from the portable loop",
-            ty.name()
+            "head_dim {hd}, {ty}: the AVX2 path differs from the portable loop"
         );
         assert!(
             same(&run(0)),
-            "head_dim {hd}, {}: the AVX-512 path differs from the portable loop",
-            ty.name()
+            "head_dim {hd}, {ty}: the AVX-512 path differs from the portable loop"
         );
     }
 }
