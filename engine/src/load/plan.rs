@@ -232,6 +232,7 @@ impl MemoryPlan {
         // never exceeds the context (the server lowers its limit to what fits).
         let kv_extra = req.kv_extra.min(req.context);
         let (kv_entries, kv_note) = match req.workload {
+            Some(w) if w.kv_entries == req.context => (w.kv_entries, None),
             Some(w) => (w.kv_entries, Some("this prompt and its answer".to_string())),
             None if kv_extra > 0 => (
                 req.context + kv_extra,

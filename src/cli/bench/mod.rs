@@ -14,7 +14,8 @@ use refusion_convert::info::human_bytes;
 use refusion_gguf::FileType;
 
 use super::model_args::ModelArgs;
-use refusion_engine::load::runtime::{load, resident_bytes};
+use refusion_engine::load::plan::Workload;
+use refusion_engine::load::runtime::{load_for, resident_bytes};
 use refusion_engine::model::{Batch, Forward, LogitsFor};
 
 #[derive(Args)]
@@ -122,7 +123,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(c) = opts.context.filter(|&c| c > 0) {
         a.check_context(c, &format!("-c {c}; raise -c"))?;
     }
-    let loaded = load(&opts)?;
+    // The plan is of what the tests run: the whole context's cache, the widest forward, and
+    // the logits of its last token only (as llama-bench asks).
+    let widest = a.n_tokens.iter().copied().max().unwrap_or(1).max(1);
+    let loaded = load_for(&opts, |m| -> Result<_> {
+        Ok(Some(Workload {
+            kv_entries: m.context,
+            forward_tokens: widest,
+            logit_rows: 1,
+        }))
+    })?;
     a.check_context(loaded.context, "the model's context; raise with -c")?;
     let mut cache = loaded.new_cache(loaded.context)?;
     let rss = resident_bytes();
