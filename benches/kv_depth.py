@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""KV cache types at depth: `refusion bench --cache-type T -d D` next to llama.cpp's own
-`llama-bench -ctk T -ctv T -d D`, on the same GGUF file, both sides interleaved over rounds
-(benches/README.md#kv-cache-types-at-depth).
+"""KV cache types at depth: `refusion bench -ctk K -ctv V -d D` next to llama.cpp's own
+`llama-bench -ctk K -ctv V -d D`, on the same GGUF file, both sides interleaved over rounds
+(benches/README.md#kv-cache-types-at-depth). A type `K/V` gives keys and values their own.
 
-    python3 benches/kv_depth.py -m syn-0.6b-q4_k_m.gguf --types f32,f16,q8_0,q4_0 \
+    python3 benches/kv_depth.py -m syn-0.6b-q4_k_m.gguf --types f32,f16,q8_0,q4_0,q8_0/f16 \
         -p 1,16 -d 4096 --rounds 3 [-r 3] [-t 2] \
         [--llama ~/.cache/llama-bench/build-native/bin/llama-bench] [--refusion target/release/refusion]
 
@@ -19,10 +19,17 @@ import statistics
 import subprocess
 
 
+def pair(ty):
+    """The key and value types of `K` or `K/V`."""
+    k, _, v = ty.partition("/")
+    return k, v or k
+
+
 def refusion(a, ty, depth):
+    k, v = pair(ty)
     cmd = [a.refusion, "bench", "-m", a.model, "-p", a.p, "-d", str(depth), "-r", str(a.r),
            "-t", str(a.t), "-c", str(depth + max(map(int, a.p.split(","))) + 64),
-           "--cache-type", ty, "--json"]
+           "-ctk", k, "-ctv", v, "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {r["n_tokens"]: r["tokens_per_s"] for r in rows}
@@ -30,9 +37,10 @@ def refusion(a, ty, depth):
 
 def llama(a, ty, depth):
     """The faster of flash attention off and on per size (on only, for a quantized V)."""
-    fa = "0,1" if ty in ("f32", "f16", "bf16") else "1"
+    k, v = pair(ty)
+    fa = "0,1" if v in ("f32", "f16", "bf16") else "1"
     cmd = [a.llama, "-m", a.model, "-p", a.p, "-n", "0", "-d", str(depth), "-fa", fa,
-           "-ctk", ty, "-ctv", ty, "-t", str(a.t), "-r", str(a.r), "-o", "json"]
+           "-ctk", k, "-ctv", v, "-t", str(a.t), "-r", str(a.r), "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         # llama-bench 0.3.36 refuses some types (an f32 cache): no comparison there.

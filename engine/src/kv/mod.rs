@@ -110,6 +110,20 @@ impl<'a> HeadView<'a> {
         }
     }
 
+    /// Rows `slots` read into `buf` as f32, one after the other (`slots.len() * head_dim`
+    /// values).
+    pub fn read_rows(&self, slots: &[usize], buf: &mut [f32]) {
+        match self.f32 {
+            Some(all) => {
+                let n = buf.len() / slots.len().max(1);
+                for (&slot, out) in slots.iter().zip(buf.chunks_exact_mut(n)) {
+                    out.copy_from_slice(&all[slot * n..(slot + 1) * n]);
+                }
+            }
+            None => self.kind.read_rows(self.bytes, self.row_bytes, slots, buf),
+        }
+    }
+
     /// Slot `slot`'s row as f32: borrowed in place from an f32 cache, else read into `buf`
     /// (`head_dim` long).
     #[inline]

@@ -64,6 +64,39 @@ impl KvKind for Blocks {
             }
         }
     }
+    /// A tile of rows in one widened loop (one CPU check, the decoder inlined).
+    fn read_rows(&self, src: &[u8], row_bytes: usize, slots: &[usize], buf: &mut [f32]) {
+        match self.ty {
+            GgmlType::BF16 => widened_rows(decode_bf16, src, row_bytes, slots, buf),
+            GgmlType::Q8_0 => widened_rows(decode_q8_0, src, row_bytes, slots, buf),
+            GgmlType::Q4_0 => widened_rows(decode_q4_0, src, row_bytes, slots, buf),
+            _ => {
+                let n = buf.len() / slots.len().max(1);
+                for (&slot, out) in slots.iter().zip(buf.chunks_exact_mut(n)) {
+                    self.read_row(&src[slot * row_bytes..(slot + 1) * row_bytes], out);
+                }
+            }
+        }
+    }
+}
+
+/// `f` over rows `slots` of `src` into consecutive rows of `buf`, compiled for AVX2 where the
+/// CPU has it (one check a call).
+#[inline(always)]
+fn widened_rows<F: Fn(&[u8], &mut [f32]) + Copy>(
+    f: F,
+    src: &[u8],
+    row_bytes: usize,
+    slots: &[usize],
+    buf: &mut [f32],
+) {
+    let n = buf.len() / slots.len().max(1);
+    let each = |buf: &mut [f32]| {
+        for (&slot, out) in slots.iter().zip(buf.chunks_exact_mut(n)) {
+            f(&src[slot * row_bytes..(slot + 1) * row_bytes], out);
+        }
+    };
+    widened(|_, buf| each(buf), &[], buf)
 }
 
 /// `f` compiled for AVX2 where the CPU has it (the same code, inlined: only wider vectors).

@@ -27,6 +27,16 @@ pub trait KvKind: Sync {
     fn write_row(&self, src: &[f32], dst: &mut [u8]);
     /// The row in `src` as f32 values in `buf` (`buf.len()` values).
     fn read_row(&self, src: &[u8], buf: &mut [f32]);
+    /// Rows `slots` of `src` (rows of `row_bytes`) as f32 values, one after the other in `buf`
+    /// (`buf.len() / slots.len()` values each): what attention decodes a tile at a time, in one
+    /// call (a type may check the CPU once and keep its loop inlined); each row the values
+    /// [`KvKind::read_row`] gives.
+    fn read_rows(&self, src: &[u8], row_bytes: usize, slots: &[usize], buf: &mut [f32]) {
+        let n = buf.len() / slots.len().max(1);
+        for (&slot, out) in slots.iter().zip(buf.chunks_exact_mut(n)) {
+            self.read_row(&src[slot * row_bytes..(slot + 1) * row_bytes], out);
+        }
+    }
     /// The row in place when it is stored as f32 (and suitably aligned), for the kernels that
     /// read f32 entries directly; `None` otherwise.
     fn as_f32<'a>(&self, _src: &'a [u8]) -> Option<&'a [f32]> {
@@ -216,6 +226,24 @@ mod tests {
             }
             if let Some(direct) = k.as_f32(&bytes) {
                 assert_eq!(direct, &back[..]);
+            }
+            // Many rows in one call: each the one row's floats, in the order asked.
+            let rows: Vec<Vec<f32>> = (0..5)
+                .map(|r| row.iter().map(|x| x * (r as f32 - 1.7)).collect())
+                .collect();
+            let rb = k.row_bytes(row.len());
+            let mut all = vec![0u8; 5 * rb];
+            for (r, dst) in rows.iter().zip(all.chunks_exact_mut(rb)) {
+                k.write_row(r, dst);
+            }
+            let slots = [3, 0, 4, 4, 1];
+            let mut many = vec![0f32; slots.len() * row.len()];
+            k.read_rows(&all, rb, &slots, &mut many);
+            for (&s, got) in slots.iter().zip(many.chunks_exact(row.len())) {
+                let mut one = vec![0f32; row.len()];
+                k.read_row(&all[s * rb..(s + 1) * rb], &mut one);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(got), bits(&one), "{}: row {s}", t.name());
             }
         }
         assert_eq!(

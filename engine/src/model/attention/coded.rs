@@ -102,9 +102,7 @@ impl Block<'_> {
 
     /// Rows `slots` of `view` decoded into `buf`, one after the other.
     fn decode(view: &HeadView<'_>, slots: &[usize], hd: usize, buf: &mut [f32]) {
-        for (i, &slot) in slots.iter().enumerate() {
-            view.read_into(slot, &mut buf[i * hd..(i + 1) * hd]);
-        }
+        view.read_rows(slots, &mut buf[..slots.len() * hd]);
     }
 
     /// The block's scores, softmax, and weighted values, tile by tile (see the module).
