@@ -144,11 +144,12 @@ impl ModelArgs {
         Ok(hub.gguf(&repo, quant)?)
     }
 
-    /// ollama's `OLLAMA_KV_CACHE_TYPE` (for K and V alike), when no cache type is given on
-    /// the command line: what `serve` honours when it runs under ollama's environment.
+    /// ollama's `OLLAMA_KV_CACHE_TYPE` (for K and V alike), when `--cache-type` is not given on
+    /// the command line (`-ctk`/`-ctv` still set their own kind): what `serve` honours when it
+    /// runs under ollama's environment.
     pub fn take_ollama_cache_type(&mut self) -> anyhow::Result<()> {
-        let given =
-            self.cache_type.is_some() || self.cache_type_k.is_some() || self.cache_type_v.is_some();
+        // It stands for --cache-type: -ctk/-ctv still set their kind over it.
+        let given = self.cache_type.is_some();
         let Ok(v) = std::env::var("OLLAMA_KV_CACHE_TYPE") else {
             return Ok(());
         };

@@ -116,6 +116,9 @@ impl<'a> HeadView<'a> {
         match self.f32 {
             Some(all) => {
                 let n = buf.len() / slots.len().max(1);
+                if n == 0 {
+                    return;
+                }
                 for (&slot, out) in slots.iter().zip(buf.chunks_exact_mut(n)) {
                     out.copy_from_slice(&all[slot * n..(slot + 1) * n]);
                 }

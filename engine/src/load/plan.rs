@@ -162,6 +162,10 @@ impl Share {
     }
 }
 
+/// The plan's note when the cache is one request's (`generate`): its size follows the request,
+/// not `-c`.
+const WORKLOAD_NOTE: &str = "this prompt and its answer";
+
 /// Kept free on the GPU beyond the plan: cuBLAS workspaces, kernel modules, fragmentation.
 pub const GPU_RESERVE: u64 = 384 << 20;
 
@@ -233,7 +237,7 @@ impl MemoryPlan {
         let kv_extra = req.kv_extra.min(req.context);
         let (kv_entries, kv_note) = match req.workload {
             Some(w) if w.kv_entries == req.context => (w.kv_entries, None),
-            Some(w) => (w.kv_entries, Some("this prompt and its answer".to_string())),
+            Some(w) => (w.kv_entries, Some(WORKLOAD_NOTE.to_string())),
             None if kv_extra > 0 => (
                 req.context + kv_extra,
                 Some(format!("+{kv_extra} for answers")),
@@ -358,31 +362,46 @@ impl MemoryPlan {
 }
 
 impl MemoryPlan {
-    /// What would make the CPU's KV cache fit in `room` bytes: the largest `-c` at its types,
-    /// the first smaller types (q8_0, then q4_0, for keys and values) that hold this context,
-    /// or a file.
+    /// What would make the CPU's KV cache fit in `room` bytes: the largest `-c` at its types
+    /// (where the cache follows the context: not for one request's own cache), the first
+    /// smaller types (q8_0, then q4_0, for keys and values) that hold it (not with layers on a
+    /// GPU, which has no path for them), or a file.
     fn kv_advice(&self, sizes: &ModelSizes, room: u64) -> String {
-        let c = self.on_cpu.kv.max(1);
-        let context = (self.context as u128 * room as u128 / c as u128) as u64 / 256 * 256;
-        let lower = if context > 0 {
-            format!("lower -c to {context}")
-        } else {
-            "lower -c".to_string()
-        };
+        let kv = self.on_cpu.kv.max(1);
+        let mut ways = Vec::new();
+        let follows_context =
+            self.kv_entries == self.context || self.kv_note.as_deref() != Some(WORKLOAD_NOTE);
+        if follows_context {
+            // The entries that fit; the context beside its room for answers (at most the
+            // context) within them.
+            let fit = (self.kv_entries as u128 * room as u128 / kv as u128) as u64;
+            let extra = self.kv_entries.saturating_sub(self.context) as u64;
+            let context = if fit >= 2 * extra {
+                fit - extra
+            } else {
+                fit / 2
+            };
+            let context = context / 256 * 256;
+            ways.push(if context > 0 {
+                format!("lower -c to {context}")
+            } else {
+                "lower -c".to_string()
+            });
+        }
         let hd = sizes.head_dim as usize;
         let now = sizes.kv_types.row_bytes(hd) as u64;
         let smaller = [CacheType::Q8_0, CacheType::Q4_0]
             .map(KvTypes::same)
             .into_iter()
             .filter(|t| t.check_head_dim(hd).is_ok() && (t.row_bytes(hd) as u64) < now)
-            .find(|t| c / now * t.row_bytes(hd) as u64 <= room);
-        match smaller {
-            Some(t) => format!(
-                "{lower}, use -ctk {} -ctv {}, or back it with a file (--kv-file)",
-                t.k.name(),
-                t.v.name()
-            ),
-            None => format!("{lower} or back it with a file (--kv-file)"),
+            .find(|t| kv / now * t.row_bytes(hd) as u64 <= room);
+        if let (Some(t), 0) = (smaller, self.gpu_layers) {
+            ways.push(format!("use -ctk {} -ctv {}", t.k.name(), t.v.name()));
+        }
+        ways.push("back it with a file (--kv-file)".to_string());
+        match ways.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{}, or {last}", rest.join(", ")),
+            _ => ways.concat(),
         }
     }
 }
@@ -600,6 +619,43 @@ mod tests {
         r.context = 20_000;
         let e = MemoryPlan::new(&s, &r).unwrap_err();
         assert!(e.reason.contains("-ctk q8_0 -ctv q8_0"), "{}", e.reason);
+        // The -c advised fits, beside a server's room for answers too.
+        for extra in [0, 4096, 20_000] {
+            let mut r = r.clone();
+            r.kv_extra = extra;
+            let e = MemoryPlan::new(&s, &r).unwrap_err();
+            let advised: usize = e
+                .reason
+                .split("lower -c to ")
+                .nth(1)
+                .unwrap()
+                .split(',')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+            r.context = advised;
+            assert!(
+                MemoryPlan::new(&s, &r).is_ok(),
+                "-c {advised} (+{extra}): {}",
+                e.reason
+            );
+        }
+        // One request's own cache does not follow -c: no -c to advise.
+        let mut w = r.clone();
+        w.context = 32_768;
+        w.workload = Some(Workload {
+            kv_entries: 30_000,
+            forward_tokens: 512,
+            logit_rows: 32,
+        });
+        let e = MemoryPlan::new(&s, &w).unwrap_err();
+        assert!(!e.reason.contains("lower -c"), "{}", e.reason);
+        assert!(
+            e.reason.contains("use -ctk q8_0 -ctv q8_0, or back it"),
+            "{}",
+            e.reason
+        );
         r.kv_in_file = true;
         let p = MemoryPlan::new(&s, &r).unwrap();
         assert_eq!(p.on_cpu.kv, 0);

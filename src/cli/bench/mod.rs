@@ -123,9 +123,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(c) = opts.context.filter(|&c| c > 0) {
         a.check_context(c, &format!("-c {c}; raise -c"))?;
     }
-    // The plan is of what the tests run: the whole context's cache, the widest forward, and
-    // the logits of its last token only (as llama-bench asks).
-    let widest = a.n_tokens.iter().copied().max().unwrap_or(1).max(1);
+    // The plan is of what the tests run: the whole context's cache, the widest forward (a
+    // test's, or the depth's fill in chunks of the micro-batch), and the logits of its last
+    // token only (as llama-bench asks).
+    let widest = a
+        .n_tokens
+        .iter()
+        .copied()
+        .chain([1, a.prefix.min(a.model.ubatch)])
+        .max()
+        .unwrap_or(1);
     let loaded = load_for(&opts, |m| -> Result<_> {
         Ok(Some(Workload {
             kv_entries: m.context,

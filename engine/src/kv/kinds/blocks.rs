@@ -72,6 +72,9 @@ impl KvKind for Blocks {
             GgmlType::Q4_0 => widened_rows(decode_q4_0, src, row_bytes, slots, buf),
             _ => {
                 let n = buf.len() / slots.len().max(1);
+                if n == 0 {
+                    return;
+                }
                 for (&slot, out) in slots.iter().zip(buf.chunks_exact_mut(n)) {
                     self.read_row(&src[slot * row_bytes..(slot + 1) * row_bytes], out);
                 }
@@ -91,6 +94,9 @@ fn widened_rows<F: Fn(&[u8], &mut [f32]) + Copy>(
     buf: &mut [f32],
 ) {
     let n = buf.len() / slots.len().max(1);
+    if n == 0 {
+        return;
+    }
     let each = |buf: &mut [f32]| {
         for (&slot, out) in slots.iter().zip(buf.chunks_exact_mut(n)) {
             f(&src[slot * row_bytes..(slot + 1) * row_bytes], out);

@@ -33,6 +33,9 @@ pub trait KvKind: Sync {
     /// [`KvKind::read_row`] gives.
     fn read_rows(&self, src: &[u8], row_bytes: usize, slots: &[usize], buf: &mut [f32]) {
         let n = buf.len() / slots.len().max(1);
+        if n == 0 {
+            return;
+        }
         for (&slot, out) in slots.iter().zip(buf.chunks_exact_mut(n)) {
             self.read_row(&src[slot * row_bytes..(slot + 1) * row_bytes], out);
         }
