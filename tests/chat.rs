@@ -198,7 +198,10 @@ fn prompt_cache_reuse_matches_a_cold_run_and_refuses_bad_files() {
     f16.extend(["--cache-type", "f16"]);
     let j = generate_json(&model, &cache, &f16);
     let err = j["stderr"].as_str().unwrap();
-    assert!(err.contains("F32"), "{err}");
+    assert!(
+        err.contains("KV cache of f32, this run's is f16 (give -ctk f32 -ctv f32)"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -333,7 +333,7 @@ fn serve_plans_the_cache_it_allocates() {
     let _ = child.kill();
     let _ = child.wait();
     let log = lines.join("\n");
-    // "KV  24.00 MiB" planned; "KV cache: ... (F32, 23.9 MiB)" allocated.
+    // "KV  24.00 MiB" planned; "KV cache: ... (f32, 23.9 MiB)" allocated.
     let planned: f64 = log
         .split("KV ")
         .nth(1)
@@ -341,7 +341,7 @@ fn serve_plans_the_cache_it_allocates() {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no plan: {log}"));
     let allocated: f64 = log
-        .split("(F32, ")
+        .split("(f32, ")
         .nth(1)
         .and_then(|r| r.split_whitespace().next())
         .and_then(|v| v.parse().ok())
