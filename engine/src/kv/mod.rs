@@ -97,19 +97,6 @@ impl<'a> HeadView<'a> {
         self.f32
     }
 
-    /// Slot `slot`'s row read into `buf` as f32 (`head_dim` long).
-    #[inline]
-    pub fn read_into(&self, slot: usize, buf: &mut [f32]) {
-        match self.f32 {
-            Some(all) => buf.copy_from_slice(&all[slot * buf.len()..(slot + 1) * buf.len()]),
-            None => {
-                let rb = self.row_bytes;
-                self.kind
-                    .read_row(&self.bytes[slot * rb..(slot + 1) * rb], buf);
-            }
-        }
-    }
-
     /// Rows `slots` read into `buf` as f32, one after the other (`slots.len() * head_dim`
     /// values).
     pub fn read_rows(&self, slots: &[usize], buf: &mut [f32]) {

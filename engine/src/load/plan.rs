@@ -369,9 +369,7 @@ impl MemoryPlan {
     fn kv_advice(&self, sizes: &ModelSizes, room: u64) -> String {
         let kv = self.on_cpu.kv.max(1);
         let mut ways = Vec::new();
-        let follows_context =
-            self.kv_entries == self.context || self.kv_note.as_deref() != Some(WORKLOAD_NOTE);
-        if follows_context {
+        if self.kv_note.as_deref() != Some(WORKLOAD_NOTE) {
             // The entries that fit; the context beside its room for answers (at most the
             // context) within them.
             let fit = (self.kv_entries as u128 * room as u128 / kv as u128) as u64;

@@ -413,6 +413,19 @@ impl Block<'_> {
         &self.q[(i * self.n_heads + self.g * self.group + h) * self.head_dim..][..self.head_dim]
     }
 
+    /// The block's queries, (token `j`, head `h`) at `j * group + h`, and how many there are
+    /// (at most [`MAX_QUERIES`], as the fast path's callers guarantee).
+    #[cfg(target_arch = "x86_64")]
+    fn queries(&self) -> ([&[f32]; MAX_QUERIES], usize) {
+        let mut qs: [&[f32]; MAX_QUERIES] = [&[]; MAX_QUERIES];
+        for j in 0..self.toks.len() {
+            for h in 0..self.group {
+                qs[j * self.group + h] = self.q_of(j, h);
+            }
+        }
+        (qs, self.toks.len() * self.group)
+    }
+
     /// The portable loops (any cache type, any CPU): the block's scores against the shared
     /// prefix (each key read once for the whole block) and each token's own row entries, one
     /// softmax each, then the values summed in the same order.
@@ -552,14 +565,8 @@ impl Block<'_> {
         let (hd, group) = (self.head_dim, self.group);
         let avx512 = has_avx512() && held_back() == 0;
         let nt = self.toks.len();
-        let nq = nt * group;
         let stride = self.stride;
-        let mut qs: [&[f32]; MAX_QUERIES] = [&[]; MAX_QUERIES];
-        for j in 0..nt {
-            for h in 0..group {
-                qs[j * group + h] = self.q_of(j, h);
-            }
-        }
+        let (qs, nq) = self.queries();
         let qs = &qs[..nq];
         let shared: usize = self.prefix.iter().map(|s| s.len).sum();
         FAST.with(|cell| {

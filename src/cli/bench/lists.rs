@@ -180,14 +180,10 @@ fn run_all(l: &Lists) -> Result<i32> {
         }
         if json {
             // Each run's array, gathered into one.
-            cmd.stdout(Stdio::piped());
-            let out = cmd.output().context("cannot run bench")?;
-            if !out.status.success() {
-                return Ok(out.status.code().unwrap_or(1));
+            match json_rows(cmd)? {
+                Ok(rows) => objects.extend(rows),
+                Err(code) => return Ok(code),
             }
-            let rows: Vec<serde_json::Value> =
-                serde_json::from_slice(&out.stdout).context("a bench run printed no JSON array")?;
-            objects.extend(rows);
         } else {
             let status = cmd.status().context("cannot run bench")?;
             if !status.success() {
@@ -225,19 +221,26 @@ fn run_rounds(l: &Lists, exe: &std::path::Path, combos: &[Vec<String>]) -> Resul
                 .args(&rest)
                 .args(["-o", "json"])
                 .args(combo);
-            cmd.stdout(Stdio::piped());
-            let out = cmd.output().context("cannot run bench")?;
-            if !out.status.success() {
-                return Ok(out.status.code().unwrap_or(1));
+            match json_rows(cmd)? {
+                Ok(rows) => got[i].push(rows),
+                Err(code) => return Ok(code),
             }
-            let rows: Vec<serde_json::Value> =
-                serde_json::from_slice(&out.stdout).context("a bench run printed no JSON array")?;
-            got[i].push(rows);
         }
     }
     let rows: Vec<serde_json::Value> = got.into_iter().flat_map(median_rows).collect();
     print_rows(&l.format, &rows);
     Ok(0)
+}
+
+/// The rows a child `bench -o json` prints, or its exit code when it fails.
+fn json_rows(mut cmd: Command) -> Result<std::result::Result<Vec<serde_json::Value>, i32>> {
+    cmd.stdout(Stdio::piped());
+    let out = cmd.output().context("cannot run bench")?;
+    if !out.status.success() {
+        return Ok(Err(out.status.code().unwrap_or(1)));
+    }
+    let rows = serde_json::from_slice(&out.stdout).context("a bench run printed no JSON array")?;
+    Ok(Ok(rows))
 }
 
 /// One pair's rounds (each an array of rows, one per test) as one row per test: the median

@@ -135,13 +135,7 @@ impl Block<'_> {
         let (hd, group, stride) = (self.head_dim, self.group, self.stride);
         let avx512 = has_avx512() && held_back() == 0 && hd <= avx512::MAX_HEAD_DIM;
         let nt = self.toks.len();
-        let nq = nt * group;
-        let mut qs: [&[f32]; MAX_QUERIES] = [&[]; MAX_QUERIES];
-        for j in 0..nt {
-            for h in 0..group {
-                qs[j * group + h] = self.q_of(j, h);
-            }
-        }
+        let (qs, nq) = self.queries();
         let qs = &qs[..nq];
         let shared: usize = self.prefix.iter().map(|s| s.len).sum();
         let prefix = || self.prefix.iter().flat_map(|s| s.start..s.start + s.len);
