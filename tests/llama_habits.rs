@@ -188,7 +188,7 @@ fn unsupported_request_fields_are_refused_by_name() {
     for (path, body, param) in [
         (
             "/v1/chat/completions",
-            chat(r#","logprobs":true"#),
+            chat(r#","logprobs":true,"stream":true"#),
             "logprobs",
         ),
         (
@@ -196,8 +196,22 @@ fn unsupported_request_fields_are_refused_by_name() {
             chat(r#","top_logprobs":3"#),
             "top_logprobs",
         ),
-        ("/v1/completions", cmpl(r#","logprobs":1"#), "logprobs"),
-        ("/v1/completions", cmpl(r#","echo":true"#), "echo"),
+        ("/v1/chat/completions", chat(r#","echo":true"#), "echo"),
+        (
+            "/v1/completions",
+            cmpl(r#","logprobs":1,"stop":["x"]"#),
+            "logprobs",
+        ),
+        (
+            "/v1/completions",
+            cmpl(r#","top_logprobs":2"#),
+            "top_logprobs",
+        ),
+        (
+            "/v1/completions",
+            cmpl(r#","suffix":"end","logprobs":2"#),
+            "logprobs",
+        ),
         (
             "/v1/completions",
             cmpl(r#","decode_events":true"#),

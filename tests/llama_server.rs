@@ -198,6 +198,33 @@ fn completion_apply_template_slots_and_refusals() {
     }
 }
 
+/// vLLM's tokenizer endpoints, which lm-evaluation-harness's remote tokenizer calls:
+/// `GET /tokenizer_info`, `/tokenize` with `prompt`, `/detokenize` answering `prompt`.
+#[test]
+fn vllms_tokenizer_endpoints_answer_as_llama_servers_do() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_refusion_gguf(tmp.path());
+    let server = Server::start(&model, &[]);
+    let (status, body) = get(&server, "/tokenizer_info");
+    assert_eq!(status, 200, "{body}");
+    let info: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(info["eos_token"], "<|im_end|>", "{info}");
+    assert!(
+        info["chat_template"].as_str().unwrap().contains("im_start"),
+        "{info}"
+    );
+    let text = "Once upon a time <|im_end|>";
+    let llama = server.post_json("/tokenize", &json!({"content": text}));
+    let vllm = server.post_json(
+        "/tokenize",
+        &json!({"prompt": text, "add_special_tokens": false}),
+    );
+    assert_eq!(llama["tokens"], vllm["tokens"]);
+    let back = server.post_json("/detokenize", &json!({"tokens": vllm["tokens"]}));
+    assert_eq!(back["prompt"], text, "{back}");
+    assert_eq!(back["content"], text, "{back}");
+}
+
 /// A GET over a raw socket: the status and the body.
 fn get(server: &Server, path: &str) -> (u16, String) {
     use std::io::{Read, Write};

@@ -38,6 +38,9 @@ pub(crate) fn sink<'t>(
             .then(|| Fills::new(tokenizer, params, prompt_tokens, &stops)),
         filter: StopFilter::new(stops),
         prompt_tokens,
+        scoring: params
+            .logprobs
+            .map(|_| (request.prompt.clone(), params.score_prompt)),
         reused: 0,
         started: None,
         forwards: 0,
@@ -168,6 +171,8 @@ struct Answer<'t> {
     fills: Option<Fills<'t>>,
     filter: StopFilter,
     prompt_tokens: usize,
+    /// With `logprobs`: the prompt (its tokens are named when scored) and whether it was.
+    scoring: Option<(Vec<u32>, bool)>,
     reused: usize,
     /// When it was admitted, and the forwards that served it since.
     started: Option<std::time::Instant>,
@@ -249,6 +254,10 @@ impl Answer<'_> {
                 let mut msgs = msgs_before;
                 if !rest.is_empty() {
                     msgs.push(Msg::Delta(rest));
+                }
+                if let Some((prompt, scored)) = &self.scoring {
+                    let scores = crate::logprobs::Scores::new(&r, prompt, *scored, tokenizer);
+                    msgs.push(Msg::Scores(Box::new(scores)));
                 }
                 msgs.push(Msg::Done {
                     finish_reason,

@@ -214,8 +214,8 @@ pub struct Knobs {
     /// Stream the decode's steps as `refusion.step` events (chat completions, streamed).
     #[serde(default)]
     pub decode_events: bool,
-    /// Fields clients send that this server cannot honour: refused by name
-    /// ([`Knobs::refuse_unsupported`]), never silently ignored.
+    /// Log-probabilities: on completions the number of alternatives, on chat completions
+    /// `true` (with `top_logprobs` alternatives); read by [`Knobs::read_scoring`].
     #[serde(default)]
     pub logprobs: Option<serde_json::Value>,
     #[serde(default)]
@@ -239,6 +239,9 @@ pub struct Knobs {
     /// opens a call; a format above wins over it.
     #[serde(skip)]
     pub calls: Option<Format>,
+    /// What `logprobs`, `top_logprobs` and `echo` ask for, as the handler read them.
+    #[serde(skip)]
+    pub scoring: Scoring,
     #[serde(flatten)]
     pub sampling: Sampling,
 }
@@ -425,31 +428,99 @@ fn response_format(v: &Json) -> Result<Option<Format>, ApiError> {
     }
 }
 
+/// Which endpoint's `logprobs` fields a request's are: they differ in shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/completions`: `logprobs` is the number of alternatives, `echo` repeats the prompt.
+    Completions,
+    /// `/v1/chat/completions`: `logprobs` is a switch, `top_logprobs` the alternatives.
+    Chat,
+}
+
+/// What a request asks of log-probabilities (docs/logprobs.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Scoring {
+    /// Each answer token's log-probability, with this many alternatives.
+    pub logprobs: Option<u32>,
+    /// The prompt repeated before the answer (`/v1/completions`' `echo`); with `logprobs`,
+    /// its tokens scored too.
+    pub echo: bool,
+}
+
 impl Knobs {
-    /// A 400 naming the first field asked for that this server cannot honour: log-probabilities
-    /// (slot decoding commits tokens verified or infilled in parallel; their probabilities are
-    /// not the left-to-right ones a caller of `logprobs` expects) and `echo`. Their "off"
-    /// values (`false`, `null`, `0`) pass.
-    pub fn refuse_unsupported(&self) -> Result<(), ApiError> {
+    /// Reads `logprobs`, `top_logprobs` and `echo` as `endpoint` defines them into
+    /// [`Knobs::scoring`]; what cannot be honoured is refused by name. Their "off" values
+    /// (`false`, `null`, `0`) pass everywhere.
+    pub fn read_scoring(&mut self, endpoint: Endpoint) -> Result<(), ApiError> {
         use serde_json::Value;
+        let bad = |field: &str, m: String| Err(ApiError::bad_request(m).param(field));
         let off = |v: &Option<Value>| match v {
             None | Some(Value::Null) | Some(Value::Bool(false)) => true,
             Some(Value::Number(n)) => n.as_u64() == Some(0),
             _ => false,
         };
-        let refuse = |field: &str, why: &str| {
-            Err(ApiError::bad_request(format!("{field} is not supported: {why}")).param(field))
+        let count = |field: &str, v: &Option<Value>| -> Result<u32, ApiError> {
+            let max = refusion_engine::decode::MAX_TOP_LOGPROBS;
+            match v.as_ref().and_then(Value::as_u64) {
+                Some(n) if n <= max as u64 => Ok(n as u32),
+                _ if off(v) => Ok(0),
+                _ => Err(ApiError::bad_request(format!(
+                    "{field} must be an integer from 0 to {max}"
+                ))
+                .param(field)),
+            }
         };
-        let probs = "slot decoding commits tokens verified or infilled in parallel, whose probabilities are not left-to-right log-probabilities";
-        if !off(&self.logprobs) {
-            return refuse("logprobs", probs);
+        let mut s = Scoring::default();
+        match endpoint {
+            Endpoint::Completions => {
+                if !off(&self.top_logprobs) {
+                    return bad("top_logprobs", "top_logprobs is not supported on /v1/completions (a chat completions field: logprobs gives the number of alternatives here)".into());
+                }
+                let n = count("logprobs", &self.logprobs)?;
+                s.logprobs = (n > 0).then_some(n);
+                s.echo = match &self.echo {
+                    v if off(v) => false,
+                    Some(Value::Bool(true)) => true,
+                    _ => return bad("echo", "echo must be true or false".into()),
+                };
+            }
+            Endpoint::Chat => {
+                if !off(&self.echo) {
+                    return bad(
+                        "echo",
+                        "echo is not supported on chat completions (a /v1/completions field)"
+                            .into(),
+                    );
+                }
+                let on = match &self.logprobs {
+                    v if off(v) => false,
+                    Some(Value::Bool(true)) => true,
+                    _ => return bad("logprobs", "logprobs must be true or false on chat completions (top_logprobs gives the alternatives)".into()),
+                };
+                let top = count("top_logprobs", &self.top_logprobs)?;
+                if top > 0 && !on {
+                    return bad(
+                        "top_logprobs",
+                        "top_logprobs is not supported without logprobs: true".into(),
+                    );
+                }
+                s.logprobs = on.then_some(top);
+            }
         }
-        if !off(&self.top_logprobs) {
-            return refuse("top_logprobs", probs);
+        if s.logprobs.is_some() {
+            // Each token's is kept with the decode's result, which a streamed or stop-cut
+            // answer does not wait for.
+            if self.stream {
+                return bad(
+                    "logprobs",
+                    "logprobs is not supported with stream: true (ask for the answer whole)".into(),
+                );
+            }
+            if self.stop.as_ref().is_some_and(|st| !st.list().is_empty()) {
+                return bad("logprobs", "logprobs is not supported with stop strings (the answer is cut by text, its log-probabilities by token)".into());
+            }
         }
-        if !off(&self.echo) {
-            return refuse("echo", "the answer never repeats the prompt");
-        }
+        self.scoring = s;
         Ok(())
     }
 
@@ -504,6 +575,8 @@ impl Knobs {
             slot_threshold: self.slot_threshold,
             token_threshold: self.token_threshold,
             strategy: self.strategy.clone(),
+            logprobs: self.scoring.logprobs,
+            score_prompt: self.scoring.echo && self.scoring.logprobs.is_some(),
         };
         let params = overrides.apply(base, max_gen_length).map_err(|e| match e {
             refusion_engine::error::RequestError::Field { field, message } => {

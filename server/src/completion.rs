@@ -115,7 +115,7 @@ async fn completion_inner(state: Arc<AppState>, body: Bytes) -> Result<Response,
                 v
             }
             Msg::Error(e) => e.body(),
-            Msg::Started { .. } | Msg::Step(_) | Msg::End => return None,
+            Msg::Started { .. } | Msg::Step(_) | Msg::Scores(_) | Msg::End => return None,
         };
         Some(Ok::<_, std::convert::Infallible>(
             SseEvent::default().data(v.to_string()),

@@ -161,7 +161,7 @@ async fn infill_inner(state: Arc<AppState>, body: Bytes) -> Result<Response, Api
                 ..
             } => last(finish_reason, completion_tokens, prompt_tokens),
             Msg::Error(e) => e.body(),
-            Msg::Started { .. } | Msg::Step(_) | Msg::End => return None,
+            Msg::Started { .. } | Msg::Step(_) | Msg::Scores(_) | Msg::End => return None,
         };
         Some(Ok::<_, std::convert::Infallible>(
             SseEvent::default().data(v.to_string()),

@@ -47,6 +47,8 @@ pub enum Msg {
     },
     /// One step of the decode drawn (`decode_events`): a `refusion.step` event's JSON.
     Step(String),
+    /// The tokens' log-probabilities (`logprobs`), just before `Done`.
+    Scores(Box<crate::logprobs::Scores>),
     /// The stream is over (after `Done`).
     End,
     Error(ApiError),
@@ -194,12 +196,15 @@ pub(super) struct Collected {
     pub(super) prompt_tokens: usize,
     pub(super) completion_tokens: usize,
     pub(super) figures: Figures,
+    /// The log-probabilities asked for.
+    pub(super) scores: Option<crate::logprobs::Scores>,
 }
 
 /// Collects a non-streamed answer.
 pub(super) async fn collect(mut rx: UnboundedReceiver<Msg>) -> Result<Collected, ApiError> {
     let mut text = String::new();
     let mut fills: Vec<String> = Vec::new();
+    let mut scores = None;
     while let Some(msg) = rx.recv().await {
         match msg {
             Msg::Delta(d) => text.push_str(&d),
@@ -223,8 +228,10 @@ pub(super) async fn collect(mut rx: UnboundedReceiver<Msg>) -> Result<Collected,
                     prompt_tokens,
                     completion_tokens,
                     figures,
+                    scores,
                 })
             }
+            Msg::Scores(s) => scores = Some(*s),
             Msg::Error(e) => return Err(e),
             Msg::Started { .. } | Msg::Step(_) | Msg::End => {}
         }

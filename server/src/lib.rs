@@ -22,6 +22,7 @@ mod infill;
 mod jobs;
 mod llama;
 mod llama_fields;
+mod logprobs;
 mod ollama;
 mod openai;
 mod prepare;
@@ -450,6 +451,10 @@ fn router(state: AppState, cors: Cors) -> Router {
     .route(
         "/detokenize",
         post(llama::detokenize).fallback(method_not_allowed("POST")),
+    )
+    .route(
+        "/tokenizer_info",
+        get(llama::tokenizer_info).fallback(method_not_allowed("GET, HEAD")),
     )
     .route(
         "/props",

@@ -1,5 +1,7 @@
 //! llama-server's utility endpoints: `POST /tokenize`, `POST /detokenize` and `GET /props`,
-//! in its shapes, for clients and scripts written against llama-server.
+//! in its shapes, for clients and scripts written against llama-server; `/tokenize` and
+//! `/detokenize` also take and give vLLM's (`prompt`), and `GET /tokenizer_info` is vLLM's, so
+//! that lm-evaluation-harness tokenizes with this server's own tokenizer.
 
 use std::sync::Arc;
 
@@ -15,7 +17,12 @@ use crate::AppState;
 
 #[derive(Debug, Deserialize)]
 struct TokenizeRequest {
+    /// vLLM's name for it: `prompt`.
+    #[serde(alias = "prompt")]
     content: String,
+    /// vLLM's `add_special_tokens`, as `add_special`.
+    #[serde(default)]
+    add_special_tokens: bool,
     /// Whether to add the tokenizer's own special tokens (Qwen3's add none).
     #[serde(default)]
     add_special: bool,
@@ -58,7 +65,7 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
             .tokenizer
             .encode(&req.content)
             .map_err(|e| ApiError::bad_request(e.to_string()).param("content"))?;
-        if req.add_special {
+        if req.add_special || req.add_special_tokens {
             if let Some(bos) = state.tokenizer.bos_id {
                 ids.insert(0, bos);
             }
@@ -93,9 +100,25 @@ pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Resp
             .tokenizer
             .decode(&req.tokens, false)
             .map_err(|e| ApiError::bad_request(e.to_string()).param("tokens"))?;
-        Ok(json!({ "content": content }))
+        // llama-server's `content`, vLLM's `prompt`.
+        Ok(json!({ "content": content, "prompt": content }))
     };
     blocking(answer).await
+}
+
+/// vLLM's `GET /tokenizer_info`: the special tokens' text and the chat template.
+pub async fn tokenizer_info(State(state): State<Arc<AppState>>) -> Response {
+    let tok = &state.tokenizer;
+    let text = |id: Option<u32>| id.and_then(|i| tok.decode(&[i], false).ok());
+    Json(json!({
+        "tokenizer_class": "Qwen2Tokenizer",
+        "eos_token": text(tok.eos_id),
+        "bos_token": text(tok.bos_id),
+        "pad_token": Value::Null,
+        "chat_template": Some(&state.props["chat_template"]).filter(|t| *t != "").cloned(),
+        "model_max_length": state.props["default_generation_settings"]["n_ctx"],
+    }))
+    .into_response()
 }
 
 pub async fn props(State(state): State<Arc<AppState>>) -> Response {

@@ -494,7 +494,7 @@ async fn answer(
                 )
             }
             Msg::Error(e) => json!({"error": e.message}),
-            Msg::Started { .. } | Msg::Step(_) | Msg::End => return None,
+            Msg::Started { .. } | Msg::Step(_) | Msg::Scores(_) | Msg::End => return None,
         };
         Some(Ok::<_, std::convert::Infallible>(Bytes::from(format!(
             "{v}\n"

@@ -13,7 +13,9 @@ use serde_json::json;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::api::{parse_with_knobs, ApiError, ChatRequest, CompletionRequest, PromptField};
+use super::api::{
+    parse_with_knobs, ApiError, ChatRequest, CompletionRequest, Endpoint, PromptField,
+};
 use super::fill::{stitch, FillSource, FillSpec};
 use super::jobs::{collect, enqueue, now, started, submit, usage, UsageTail};
 use crate::jobs::Msg;
@@ -32,7 +34,7 @@ pub(super) async fn chat_completions(State(state): State<Arc<AppState>>, body: B
 
 pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let mut req: ChatRequest = parse_with_knobs(&body)?;
-    req.knobs.refuse_unsupported()?;
+    req.knobs.read_scoring(Endpoint::Chat)?;
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("messages must not be empty").param("messages"));
     }
@@ -90,7 +92,8 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
     if !stream {
         let got = collect(rx).await?;
         drop(guard);
-        let mut choice = json!({"index": 0, "message": {"role": "assistant", "content": got.text}, "finish_reason": got.finish_reason});
+        let logprobs = got.scores.as_ref().map_or(json!(null), |s| s.chat());
+        let mut choice = json!({"index": 0, "message": {"role": "assistant", "content": got.text}, "logprobs": logprobs, "finish_reason": got.finish_reason});
         if let Some(pieces) = &pieces {
             // The answer with its gaps filled, and each gap's fill.
             let fills = gap_fills(pieces, &got.fills);
@@ -179,7 +182,7 @@ pub(super) async fn chat_inner(state: &Arc<AppState>, body: Bytes) -> Result<Res
             Msg::End => tail.end(),
             Msg::Error(e) => Some(SseEvent::default().data(e.body().to_string())),
             Msg::Step(step) => Some(SseEvent::default().event("refusion.step").data(step)),
-            Msg::Started { .. } => None,
+            Msg::Started { .. } | Msg::Scores(_) => None,
         }
     });
     let all = tokio_stream::once(first)
@@ -202,8 +205,8 @@ pub(super) async fn completions_inner(
     state: &Arc<AppState>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse_with_knobs(&body)?;
-    req.knobs.refuse_unsupported()?;
+    let mut req: CompletionRequest = parse_with_knobs(&body)?;
+    req.knobs.read_scoring(Endpoint::Completions)?;
     if req.knobs.decode_events {
         return Err(ApiError::bad_request(
             "decode_events is served by /v1/chat/completions (streamed), not here",
@@ -211,6 +214,11 @@ pub(super) async fn completions_inner(
         .param("decode_events"));
     }
     let inputs = prompts(req.prompt, state.queue)?;
+    // `echo`: each prompt's text goes before its answer.
+    let echoes: Vec<String> = match req.knobs.scoring.echo {
+        true => inputs.iter().map(|i| echo_text(state, i)).collect(),
+        false => vec![String::new(); inputs.len()],
+    };
     // An empty suffix is none (as in ollama): plain generation.
     let template = req
         .suffix
@@ -237,9 +245,18 @@ pub(super) async fn completions_inner(
         model: state.model.clone(),
     };
     if req.knobs.stream {
-        Ok(stream_completions(head, streams, include_usage))
+        Ok(stream_completions(head, streams, echoes, include_usage))
     } else {
-        whole_completions(head, streams).await
+        whole_completions(head, streams, echoes).await
+    }
+}
+
+/// A prompt's text as `echo` repeats it: as sent, or its token ids' text.
+fn echo_text(state: &AppState, input: &JobInput) -> String {
+    match input {
+        JobInput::Text(s) => s.clone(),
+        JobInput::Tokens(ids) => state.tokenizer.decode(ids, false).unwrap_or_default(),
+        JobInput::Chat { .. } => String::new(),
     }
 }
 
@@ -278,13 +295,19 @@ type Answering = (
     super::jobs::CancelOnDrop,
 );
 
-/// Every prompt's answer whole, as one `text_completion`.
-async fn whole_completions(head: Head, streams: Vec<Answering>) -> Result<Response, ApiError> {
+/// Every prompt's answer whole (after its echoed prompt), as one `text_completion`.
+async fn whole_completions(
+    head: Head,
+    streams: Vec<Answering>,
+    echoes: Vec<String>,
+) -> Result<Response, ApiError> {
     let (mut choices, mut p, mut c) = (Vec::new(), 0, 0);
-    for (index, (rx, guard)) in streams.into_iter().enumerate() {
+    for (index, ((rx, guard), echo)) in streams.into_iter().zip(echoes).enumerate() {
         let got = collect(rx).await?;
         drop(guard);
-        choices.push(json!({"index": index, "text": got.text, "finish_reason": got.finish_reason, "logprobs": null}));
+        let logprobs = got.scores.as_ref().map_or(json!(null), |s| s.completions());
+        let text = echo + &got.text;
+        choices.push(json!({"index": index, "text": text, "finish_reason": got.finish_reason, "logprobs": logprobs}));
         (p, c) = (p + got.prompt_tokens, c + got.completion_tokens);
     }
     Ok(Json(json!({
@@ -295,9 +318,15 @@ async fn whole_completions(head: Head, streams: Vec<Answering>) -> Result<Respon
     .into_response())
 }
 
-/// Every prompt's answer streamed as it comes (server-sent events, choices by index), then
-/// the usage chunk (when asked for) and `[DONE]` once all have ended.
-fn stream_completions(head: Head, streams: Vec<Answering>, include_usage: bool) -> Response {
+/// Every prompt's answer streamed as it comes (server-sent events, choices by index; an
+/// echoed prompt first), then the usage chunk (when asked for) and `[DONE]` once all have
+/// ended.
+fn stream_completions(
+    head: Head,
+    streams: Vec<Answering>,
+    echoes: Vec<String>,
+    include_usage: bool,
+) -> Response {
     let n = streams.len();
     let chunk = move |index: usize, text: &str, finish: Option<&str>| {
         json!({"id": head.id, "object": "text_completion", "created": head.created, "model": head.model,
@@ -309,6 +338,12 @@ fn stream_completions(head: Head, streams: Vec<Answering>, include_usage: bool) 
         merged.insert(index, UnboundedReceiverStream::new(rx));
         guards.push(guard);
     }
+    let echoed: Vec<SseEvent> = echoes
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| !e.is_empty())
+        .map(|(index, e)| SseEvent::default().data(chunk(index, e, None).to_string()))
+        .collect();
     let mut tail = UsageTail::new(include_usage);
     let (mut ended, mut p, mut c) = (0, 0, 0);
     let events = merged.filter_map(move |(index, msg)| {
@@ -335,10 +370,12 @@ fn stream_completions(head: Head, streams: Vec<Answering>, include_usage: bool) 
                 (ended == n).then(|| tail.end()).flatten()
             }
             Msg::Error(e) => Some(SseEvent::default().data(e.body().to_string())),
-            Msg::Started { .. } | Msg::Step(_) => None,
+            Msg::Started { .. } | Msg::Step(_) | Msg::Scores(_) => None,
         }
     });
-    let events = events.chain(tokio_stream::iter(UsageTail::last(include_usage)));
+    let events = tokio_stream::iter(echoed)
+        .chain(events)
+        .chain(tokio_stream::iter(UsageTail::last(include_usage)));
     Sse::new(events.map(Ok::<_, std::convert::Infallible>))
         .keep_alive(KeepAlive::default())
         .into_response()

@@ -206,34 +206,9 @@ fn llama_cpp_flag(arg: std::ffi::OsString) -> std::ffi::OsString {
     arg
 }
 
-/// Sizes the thread pools (`-t`): rayon's global pool, which our kernels and candle's quantized
-/// matmuls use, and candle's own count for its f32 matmuls. 0 or absent: one thread per core.
+/// Sizes the thread pools (`-t`): [`refusion_engine::load::runtime::set_threads`], its
+/// warning on stderr.
 pub(crate) fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
-    // The pools can be sized once per process; `demo` runs several steps, each asking again.
-    static SET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    if let Some(n) = threads.filter(|&n| n > 0) {
-        match SET.get() {
-            Some(&done) if done == n => return Ok(()),
-            Some(&done) => anyhow::bail!("cannot set {n} threads: already running with {done}"),
-            None => {}
-        }
-        // The CPUs this process may run on (its affinity mask and cgroup quota): more threads
-        // than that only take turns.
-        if let Some(cpus) = std::thread::available_parallelism()
-            .ok()
-            .filter(|c| n > c.get())
-        {
-            eprintln!(
-                "warning: -t {n} is more threads than the {cpus} CPUs this process may use; they will take turns, which is slower (-t {cpus} or fewer)"
-            );
-        }
-        // candle reads RAYON_NUM_THREADS for its gemm parallelism; set before any use.
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .map_err(|e| anyhow::anyhow!("cannot set {n} threads: {e}"))?;
-        let _ = SET.set(n);
-    }
-    Ok(())
+    let notes = refusion_engine::load::Notes::to(|line| eprintln!("{line}"));
+    refusion_engine::load::runtime::set_threads(threads, &notes).map_err(anyhow::Error::msg)
 }

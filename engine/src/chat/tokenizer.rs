@@ -379,6 +379,18 @@ impl Tokenizer {
         })
     }
 
+    /// One token as a client is shown it (`logprobs`): its text's bytes and their text (lossy
+    /// where the token holds part of a character), or for a control token, which has no
+    /// bytes, its name.
+    pub fn piece(&self, id: u32) -> (String, Vec<u8>) {
+        let bytes = self.raw_bytes(id);
+        if bytes.is_empty() {
+            let name = self.decode(&[id], false).unwrap_or_default();
+            return (name.clone(), name.into_bytes());
+        }
+        (String::from_utf8_lossy(bytes).into_owned(), bytes.to_vec())
+    }
+
     /// The text of `ids` as bytes, end to end (control tokens give none).
     pub fn bytes_of(&self, ids: &[u32]) -> Vec<u8> {
         let mut out = Vec::new();

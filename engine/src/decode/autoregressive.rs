@@ -9,7 +9,7 @@
 //! worse answers than slot decoding from a ReFusion file (a plain Qwen3 file decodes as usual).
 
 use super::strategy::{Poll, Strategy};
-use super::{argmax, DecodeParams, DecodeResult, Event, Noise};
+use super::{argmax, logprob, DecodeParams, DecodeResult, Event, Noise, TokenLogprob};
 use crate::constrain::Constraint;
 use crate::error::{Error, Result};
 use crate::kv::SeqCache;
@@ -36,6 +36,8 @@ pub struct Autoregressive {
     masked: Vec<f32>,
     /// Whether the first poll has committed what the grammar forces first.
     started: bool,
+    /// With logprobs: each generated token's.
+    logprobs: Vec<TokenLogprob>,
 }
 
 impl Autoregressive {
@@ -59,31 +61,49 @@ impl Autoregressive {
             constraint: params.guide.as_ref().map(|g| g.start()),
             masked: Vec::new(),
             started: false,
+            logprobs: Vec::new(),
         }
     }
 }
 
 impl Autoregressive {
     /// The next token from the last position's logits: the arg-max (or a sample at a
-    /// temperature) among the tokens the grammar allows, if there is one.
-    fn pick(&mut self, row: &[f32]) -> Result<u32> {
+    /// temperature) among the tokens the grammar allows, if there is one; with logprobs, its
+    /// log-probability under the distribution it was chosen from (the grammar's masked one).
+    fn pick(&mut self, row: &[f32]) -> Result<(u32, Option<TokenLogprob>)> {
+        let top = self.p.logprobs.map(|n| n as usize);
         let Some(c) = self.constraint.as_mut() else {
-            return Ok(if self.p.temperature > 0.0 {
+            let tok = if self.p.temperature > 0.0 {
                 self.noise.sample(row, self.p.temperature)
             } else {
                 argmax(row)
-            } as u32);
+            };
+            return Ok((tok as u32, top.map(|n| logprob(row, tok, n))));
         };
         let masked = c.masked(row, self.p.eos_id, &mut self.masked)?;
         let tok = super::guided::choose(masked, self.p.temperature, &mut self.noise);
+        let lp = top.map(|n| logprob(masked, tok as usize, n));
         if tok != self.p.eos_id {
             c.accept(tok)?;
         }
-        Ok(tok)
+        Ok((tok, lp))
     }
 
-    /// Commits `tok` after what is to be fed, and queues it to be fed.
-    fn commit(&mut self, tok: u32, on_event: &mut dyn FnMut(Event<'_>)) {
+    /// Commits `tok` after what is to be fed, and queues it to be fed; with logprobs, keeps
+    /// its own (a token the grammar forces is certain: log-probability 0, no alternative).
+    fn commit(&mut self, tok: u32, lp: Option<TokenLogprob>, on_event: &mut dyn FnMut(Event<'_>)) {
+        if self.p.logprobs.is_some() {
+            let certain = self.p.logprobs.is_some_and(|n| n > 0);
+            self.logprobs.push(lp.unwrap_or(TokenLogprob {
+                token: tok,
+                logprob: 0.0,
+                top: if certain {
+                    vec![(tok, 0.0)]
+                } else {
+                    Vec::new()
+                },
+            }));
+        }
         let pos = self.next_pos + self.feed.len() as u32;
         self.tokens.push(tok);
         self.positions.push(pos);
@@ -107,10 +127,10 @@ impl Autoregressive {
             if self.done {
                 return Ok(());
             }
-            self.commit(tok, on_event);
+            self.commit(tok, None, on_event);
         }
         if finished && !self.done {
-            self.commit(self.p.eos_id, on_event);
+            self.commit(self.p.eos_id, None, on_event);
         }
         Ok(())
     }
@@ -155,8 +175,8 @@ impl Strategy for Autoregressive {
         cache.commit_row(0)?;
         self.next_pos += n as u32;
         self.feed.clear();
-        let tok = self.pick(logits.row(0))?;
-        self.commit(tok, on_event);
+        let (tok, lp) = self.pick(logits.row(0))?;
+        self.commit(tok, lp, on_event);
         if !self.done {
             self.force(on_event)?;
         }
@@ -183,6 +203,8 @@ impl Strategy for Autoregressive {
             eos_index,
             filled: None,
             limit: self.p.answer_limit(),
+            logprobs: std::mem::take(&mut self.logprobs),
+            prompt_logprobs: Vec::new(),
         }
     }
 }
@@ -256,14 +278,14 @@ mod tests {
             let mut row = vec![0.0f32; 258];
             row[b'z' as usize] = 50.0;
             row[b'c' as usize] = 5.0;
-            assert_eq!(d.pick(&row).unwrap(), b'a' as u32);
-            assert_eq!(d.pick(&row).unwrap(), b'c' as u32);
+            assert_eq!(d.pick(&row).unwrap().0, b'a' as u32);
+            assert_eq!(d.pick(&row).unwrap().0, b'c' as u32);
             assert!(d.constraint.as_ref().unwrap().finished());
         }
         // Every allowed weight underflowing to 0 still gives an allowed token.
         let mut d = constrained("root ::= \"q\"", 0.8);
         let mut row = vec![-1000.0f32; 258];
         row[0] = f32::NEG_INFINITY;
-        assert_eq!(d.pick(&row).unwrap(), b'q' as u32);
+        assert_eq!(d.pick(&row).unwrap().0, b'q' as u32);
     }
 }

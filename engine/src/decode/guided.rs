@@ -317,6 +317,9 @@ impl Strategy for Guided {
             eos_index,
             filled: None,
             limit: self.p.answer_limit(),
+            // Refused with a grammar under slot decoding (`DecodeParams::validate`).
+            logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
         }
     }
 }

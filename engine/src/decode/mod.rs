@@ -18,6 +18,7 @@ mod noise;
 mod overrides;
 mod params;
 mod probs;
+mod score;
 mod slots;
 pub mod strategy;
 pub mod template;
@@ -28,7 +29,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 pub use noise::Noise;
 pub use overrides::Overrides;
 pub use params::{shortest_f64, DecodeParams};
-pub use probs::{argmax, prob};
+pub use probs::{argmax, logprob, prob, TokenLogprob, MAX_TOP_LOGPROBS};
 pub use slots::SlotDecoder;
 pub use strategy::{start, Kind, Poll, Strategy};
 pub use template::{Filled, FitGap, GapFill, GapSize, Healed, Piece, Template, TextPiece};
@@ -86,6 +87,12 @@ pub struct DecodeResult {
     /// The most answer tokens (the gen length: slot decoding rounds it up to whole slots and
     /// may write past it; the answer stops there, as `max_tokens` promises).
     pub limit: usize,
+    /// With [`DecodeParams::logprobs`]: each of `tokens`' log-probability and alternatives,
+    /// in the same order (empty otherwise).
+    pub logprobs: Vec<TokenLogprob>,
+    /// With [`DecodeParams::score_prompt`]: the prompt's tokens after its first, each scored
+    /// by the prompt before it.
+    pub prompt_logprobs: Vec<TokenLogprob>,
 }
 
 impl DecodeResult {
@@ -164,8 +171,7 @@ pub fn check(prompt: &[u32], params: &DecodeParams, vocab: usize, capacity: usiz
         let t = params.answer_template();
         t.validate_for(params.mask_id, vocab, params.slot_size)?;
     }
-    let gen = params.answer_len() as usize;
-    let block = params.strategy.scratch(params);
+    let (gen, block) = params.answer_room();
     let needed = prompt.len() + gen + block;
     if needed > capacity {
         return Err(RequestError::TooLong {
@@ -196,7 +202,7 @@ pub fn generate_cancellable<M: Forward + ?Sized>(
             "the KV cache holds more entries than the prompt",
         ));
     }
-    let cached = cached.min(params.strategy.max_reuse(prompt.len()));
+    let cached = cached.min(params.max_reuse(prompt.len()));
     cache.crop(cached);
     cache.clear_rows();
     let mut dec = start(prompt, cached, params);

@@ -20,6 +20,11 @@ pub struct Overrides {
     pub token_threshold: Option<f32>,
     /// A [`super::Kind`]'s name.
     pub strategy: Option<String>,
+    /// Log-probabilities with this many alternatives each ([`DecodeParams::logprobs`]).
+    pub logprobs: Option<u32>,
+    /// The prompt scored too ([`DecodeParams::score_prompt`]); then `max_tokens` 0 asks for
+    /// no answer ([`DecodeParams::answer`]).
+    pub score_prompt: bool,
 }
 
 fn field(field: &'static str, message: impl Into<String>) -> RequestError {
@@ -40,11 +45,14 @@ impl Overrides {
     ) -> Result<DecodeParams, RequestError> {
         let mut p = base.clone();
         if let Some(n) = self.max_tokens {
-            if n == 0 || n > max_gen_length {
+            if n == 0 && self.score_prompt {
+                p.answer = false;
+            } else if n == 0 || n > max_gen_length {
                 let m = format!("max_tokens must be between 1 and {max_gen_length}, got {n}");
                 return Err(field("max_tokens", m));
+            } else {
+                p.gen_length = n;
             }
-            p.gen_length = n;
         }
         for (name, v) in [
             ("slot_size", self.slot_size),
@@ -70,6 +78,8 @@ impl Overrides {
         }
         p.slot_threshold = self.slot_threshold.unwrap_or(p.slot_threshold);
         p.token_threshold = self.token_threshold.unwrap_or(p.token_threshold);
+        p.logprobs = self.logprobs;
+        p.score_prompt = self.score_prompt;
         p.validate()?;
         Ok(p)
     }
@@ -143,6 +153,46 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn no_answer_only_scores_the_prompt() {
+        let o = |max_tokens, logprobs, score_prompt| Overrides {
+            max_tokens,
+            logprobs,
+            score_prompt,
+            ..Default::default()
+        };
+        let p = o(Some(0), Some(1), true).apply(&base(), 2048).unwrap();
+        assert!(!p.answer && p.score_prompt && p.logprobs == Some(1));
+        let field_of = |r: Result<DecodeParams, RequestError>| match r {
+            Err(RequestError::Field { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            field_of(o(Some(0), Some(1), false).apply(&base(), 2048)),
+            "max_tokens"
+        );
+        assert_eq!(
+            field_of(o(Some(3), None, true).apply(&base(), 2048)),
+            "echo"
+        );
+        assert_eq!(
+            field_of(o(None, Some(21), false).apply(&base(), 2048)),
+            "top_logprobs"
+        );
+        let mut infill = base();
+        infill.strategy = Kind::Infill;
+        assert_eq!(
+            field_of(o(None, Some(2), false).apply(&infill, 2048)),
+            "logprobs"
+        );
+        assert!(
+            o(Some(5), Some(0), false)
+                .apply(&base(), 2048)
+                .unwrap()
+                .answer
+        );
     }
 
     #[test]

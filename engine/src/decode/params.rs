@@ -30,6 +30,17 @@ pub struct DecodeParams {
     /// The grammar the answer must follow (JSON, a schema, a tool call...): decoded at the
     /// answer's frontier, each token masked by it ([`DecodeParams::with_guide`]).
     pub guide: Option<Arc<crate::constrain::Guide>>,
+    /// Log-probabilities of the answer's tokens (and of the prompt's, with `score_prompt`),
+    /// each with this many most likely alternatives (OpenAI's `logprobs`/`top_logprobs`,
+    /// llama-server's `n_probs`); `None`: none are computed. Which forward's distribution a
+    /// token's is: docs/logprobs.md.
+    pub logprobs: Option<u32>,
+    /// Score the prompt's own tokens first (OpenAI's `echo` with `logprobs`): each under the
+    /// next-token logits of the prompt before it, the prompt fed whole ([`super::score`]).
+    pub score_prompt: bool,
+    /// Whether an answer follows (false: OpenAI's `max_tokens: 0` with `echo`, the prompt
+    /// scored and nothing decoded).
+    pub answer: bool,
 }
 
 /// An f32 setting as the f64 its shortest decimal reads (0.6, not 0.6000000238418579): how the
@@ -54,6 +65,30 @@ impl DecodeParams {
             strategy: super::Kind::Slots,
             template: None,
             guide: None,
+            logprobs: None,
+            score_prompt: false,
+            answer: true,
+        }
+    }
+
+    /// Cache entries a decode takes beyond its prompt: the answer's positions and the
+    /// strategy's scratch (none when no answer follows).
+    pub fn answer_room(&self) -> (usize, usize) {
+        if self.answer {
+            (self.answer_len() as usize, self.strategy.scratch(self))
+        } else {
+            (0, 0)
+        }
+    }
+
+    /// The most prompt tokens a decode may find already cached: the strategy's
+    /// ([`super::Kind::max_reuse`]), none when the prompt is scored (each of its tokens needs
+    /// the logits of the one before).
+    pub fn max_reuse(&self, prompt_len: usize) -> usize {
+        if self.score_prompt {
+            0
+        } else {
+            self.strategy.max_reuse(prompt_len)
         }
     }
 
@@ -173,6 +208,7 @@ impl DecodeParams {
                 )));
             }
         }
+        self.validate_scoring()?;
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(RequestError::Params(format!(
                 "temperature must be >= 0, got {}",
@@ -182,6 +218,50 @@ impl DecodeParams {
         if self.eos_id == self.mask_id {
             return Err(RequestError::Params(
                 "the EOS and mask tokens are the same id".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl DecodeParams {
+    /// Log-probabilities are kept by slot decoding without a grammar and by `ar` (each token's
+    /// distribution is one forward's row); a template's gaps and slot decoding under a grammar
+    /// are refused by name.
+    fn validate_scoring(&self) -> std::result::Result<(), RequestError> {
+        let field = |field: &'static str, message: String| RequestError::Field { field, message };
+        if let Some(n) = self.logprobs.filter(|&n| n > super::MAX_TOP_LOGPROBS) {
+            return Err(field(
+                "top_logprobs",
+                format!(
+                    "at most {} alternatives per token, got {n}",
+                    super::MAX_TOP_LOGPROBS
+                ),
+            ));
+        }
+        if self.logprobs.is_none() && (self.score_prompt || !self.answer) {
+            return Err(field(
+                "echo",
+                "the prompt is scored with logprobs: give logprobs too".into(),
+            ));
+        }
+        if !self.answer && !self.score_prompt {
+            return Err(field(
+                "max_tokens",
+                "max_tokens must be at least 1 (0 only scores the prompt, with echo and logprobs)"
+                    .into(),
+            ));
+        }
+        let slots_guided = self.guide.is_some() && self.strategy == super::Kind::Slots;
+        if self.logprobs.is_some() && (self.strategy.method().fills_gaps() || slots_guided) {
+            let what = if slots_guided {
+                "an answer constrained to a grammar under slot decoding (use strategy 'ar')"
+            } else {
+                "a template's gaps"
+            };
+            return Err(field(
+                "logprobs",
+                format!("logprobs are not supported for {what}"),
             ));
         }
         Ok(())

@@ -1,5 +1,6 @@
 //! A row of logits read as the reference reads it: the arg-max token, and a token's softmax
-//! probability (torch's `softmax(logits.float())[i]`).
+//! probability (torch's `softmax(logits.float())[i]`); and, for `logprobs`, a token's
+//! log-probability with the row's most likely alternatives ([`logprob`]).
 //!
 //! Each is a pass over the whole vocabulary (151 671 values for ReFusion), and a decode reads
 //! dozens of rows per forward: the scalar loop (libm's `expf` per value, one sum in order)
@@ -98,6 +99,54 @@ pub fn prob(v: &[f32], i: usize) -> f32 {
     exp_nonpositive(v[i] - max) / sum
 }
 
+/// The most alternatives a token's [`TokenLogprob`] lists (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// A committed token's log-probability under the distribution it was committed from, and that
+/// distribution's most likely tokens (most likely first, the lower id first on ties).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `log softmax(v)[token]` (torch's `log_softmax(logits.float())`: `v - max - ln(sum)`, the
+/// sum as [`prob`] takes it) and the `top` most likely tokens of `v` with theirs.
+pub fn logprob(v: &[f32], token: usize, top: usize) -> TokenLogprob {
+    let (max, sum) = max_and_sum(v);
+    let norm = max + sum.ln();
+    let lp = |i: usize| v[i] - norm;
+    TokenLogprob {
+        token: token as u32,
+        logprob: lp(token),
+        top: top_indices(v, top)
+            .into_iter()
+            .map(|i| (i as u32, lp(i)))
+            .collect(),
+    }
+}
+
+/// The indices of the `n` largest values, largest first (the lower index first on ties; never
+/// a NaN, nor minus infinity: a token a grammar forbids is no alternative). One pass, the few
+/// best kept sorted: `n` is at most [`MAX_TOP_LOGPROBS`].
+fn top_indices(v: &[f32], n: usize) -> Vec<usize> {
+    let mut best: Vec<usize> = Vec::with_capacity(n + 1);
+    if n == 0 {
+        return best;
+    }
+    for (i, &x) in v.iter().enumerate() {
+        if x.is_nan() || x == f32::NEG_INFINITY || (best.len() == n && x <= v[best[n - 1]]) {
+            continue;
+        }
+        // After every kept value at least as large: ties keep the earlier index first.
+        let at = best.partition_point(|&b| v[b] >= x);
+        best.insert(at, i);
+        best.truncate(n);
+    }
+    best
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,5 +187,25 @@ mod tests {
         assert_eq!(argmax(&[-0.0, 0.0]), 0);
         assert_eq!(argmax(&[]), 0);
         assert_eq!(argmax(&[f32::NAN, 2.0, 5.0, f32::NAN]), 2);
+    }
+
+    #[test]
+    fn log_probabilities_match_a_log_softmax_in_f64_with_the_best_alternatives() {
+        let v = [1.0f32, 3.0, -2.0, 3.0, 0.5, -9.0, 2.5];
+        let max = 3.0f64;
+        let norm = max + v.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+        let got = logprob(&v, 4, 3);
+        assert_eq!(got.token, 4);
+        assert!((got.logprob as f64 - (0.5 - norm)).abs() < 1e-5, "{got:?}");
+        let ids: Vec<u32> = got.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 6], "largest first, the lower id first on ties");
+        assert!((got.top[2].1 as f64 - (2.5 - norm)).abs() < 1e-5);
+        assert!(logprob(&v, 0, 0).top.is_empty());
+        assert_eq!(logprob(&v, 0, 20).top.len(), v.len());
+        assert_eq!(top_indices(&[f32::NAN, 1.0, f32::NAN, 2.0], 3), [3, 1]);
+        assert_eq!(
+            top_indices(&[f32::NEG_INFINITY, 1.0, f32::NEG_INFINITY], 3),
+            [1]
+        );
     }
 }

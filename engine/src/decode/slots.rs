@@ -11,7 +11,7 @@
 
 use super::strategy::{Poll, Strategy};
 use super::template::Filled;
-use super::{argmax, prob, DecodeParams, DecodeResult, Event, Noise};
+use super::{argmax, logprob, prob, DecodeParams, DecodeResult, Event, Noise, TokenLogprob};
 use crate::error::{Error, Result};
 use crate::kv::SeqCache;
 use crate::model::{Batch, LogitsFor, LogitsRef};
@@ -35,6 +35,9 @@ struct Planned {
     /// Pending tokens (known spans) fed in front of the verification: a plan taken from a
     /// probe's draft ([`SlotDecoder::reuse_plan`]) had no planning forward to feed them.
     fed: usize,
+    /// With logprobs: each slot's first token's, from the planning forward (a slot's first
+    /// token is committed as drafted: verification never scores it).
+    first_lp: Vec<Option<TokenLogprob>>,
 }
 
 /// A drafting decoder's first planning forward, kept for the decode after it
@@ -96,6 +99,8 @@ pub struct SlotDecoder {
     /// For each token of the batch, the row of its logits (`usize::MAX`: not asked for). Only
     /// the logits a phase reads are asked for: each is a product with the whole output layer.
     logit_row: Vec<usize>,
+    /// With logprobs ([`DecodeParams::logprobs`]): each committed token's, by position.
+    committed_lp: std::collections::HashMap<u32, TokenLogprob>,
 }
 
 impl SlotDecoder {
@@ -173,6 +178,7 @@ impl SlotDecoder {
             chosen,
             counts_block,
             fed: self.pending.len(),
+            first_lp: Vec::new(),
         });
     }
 
@@ -228,6 +234,7 @@ impl SlotDecoder {
             first_plan: None,
             batch: Batch::default(),
             logit_row: Vec::new(),
+            committed_lp: std::collections::HashMap::new(),
         };
         d.start_block();
         d.skip_empty_blocks();
@@ -307,6 +314,7 @@ impl SlotDecoder {
         // Slot confidence: the probability of each slot's first token (the others' is never
         // used, so never computed: a softmax over the vocabulary each).
         let mut conf = Vec::with_capacity(n_slots);
+        let mut first_lp = Vec::new();
         let mut restricted = Vec::new();
         for j in 0..n_gen {
             let mut row = logits.row(j);
@@ -324,6 +332,9 @@ impl SlotDecoder {
             x0.push(tok as u32);
             if j % k == 0 {
                 conf.push(prob(row, tok));
+                if let Some(top) = self.p.logprobs {
+                    first_lp.push(Some(logprob(row, tok, top as usize)));
+                }
             }
         }
         on_event(Event::Planned {
@@ -348,6 +359,7 @@ impl SlotDecoder {
             chosen,
             counts_block,
             fed: 0,
+            first_lp,
         });
         Ok(())
     }
@@ -381,7 +393,7 @@ impl SlotDecoder {
         cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
-        let (tags, prefix_len) = self.verify_tags(&pl, ver);
+        let (tags, prefix_len, ver_lp) = self.verify_tags(&pl, ver);
         let (remain, to_remove) = self.accepted(&pl.chosen, pl.fed, prefix_len);
         if pl.fed > 0 {
             // The known spans fed with the verification join the committed entries.
@@ -389,7 +401,18 @@ impl SlotDecoder {
             self.cur_pos.append(&mut self.pending_pos);
         }
         if !remain.is_empty() {
-            return self.commit_accepted(&pl.x0, &remain, to_remove, pl.fed, cache, on_event);
+            // A slot's first token as drafted, the others as verified.
+            let lp = |i: usize, s: usize, j: usize| match j {
+                0 => pl.first_lp.get(s).cloned().flatten(),
+                _ => ver_lp.get(i * self.k + j).cloned().flatten(),
+            };
+            let lps: Vec<Option<TokenLogprob>> = remain
+                .iter()
+                .enumerate()
+                .flat_map(|(i, &(s, len))| (0..len).map(move |j| (i, s, j)))
+                .map(|(i, s, j)| lp(i, s, j))
+                .collect();
+            return self.commit_accepted(&pl.x0, &remain, lps, to_remove, pl.fed, cache, on_event);
         }
         if pl.fed > 0 {
             cache.truncate_rows(pl.fed)?;
@@ -403,9 +426,24 @@ impl SlotDecoder {
             x0,
             chosen,
             counts_block,
+            first_lp,
             ..
         } = pl;
+        // Each row's tokens' logprobs as far as known: its first as drafted, the verified ones.
+        let lp = chosen
+            .iter()
+            .enumerate()
+            .map(|(c, &s)| {
+                (0..k)
+                    .map(|j| match j {
+                        0 => first_lp.get(s).cloned().flatten(),
+                        _ => ver_lp.get(c * k + j).cloned().flatten(),
+                    })
+                    .collect()
+            })
+            .collect();
         let inf = Infill {
+            lp,
             spec: chosen
                 .iter()
                 .map(|&s| x0[s * k..(s + 1) * k].to_vec())
@@ -428,10 +466,12 @@ impl SlotDecoder {
     /// Each chosen slot's tokens that pass verification, as running tags (a token passes when
     /// it and every one before it in its slot do: token i >= 1 on its autoregressive
     /// probability from the shifted logits, token 0 always), and the length of the passing
-    /// prefix of the slots concatenated.
-    fn verify_tags(&self, pl: &Planned, ver: &LogitsRef<'_>) -> (Vec<Vec<bool>>, usize) {
+    /// prefix of the slots concatenated; with logprobs, each passing token's (by `c * k + j`,
+    /// none for a slot's first token).
+    fn verify_tags(&self, pl: &Planned, ver: &LogitsRef<'_>) -> VerifyTags {
         let k = self.k;
         let mut tags: Vec<Vec<bool>> = Vec::with_capacity(pl.chosen.len());
+        let mut lps = Vec::new();
         let mut prefix_len = 0;
         let mut all_so_far = true;
         for (c, &s) in pl.chosen.iter().enumerate() {
@@ -439,19 +479,20 @@ impl SlotDecoder {
             let mut ok = true;
             for j in 0..k {
                 let flat = c * k + j;
-                let pass = j == 0
-                    || prob(
-                        logits_of(ver, &self.logit_row, pl.fed + flat - 1),
-                        pl.x0[s * k + j] as usize,
-                    ) > self.p.token_threshold;
+                let tok = pl.x0[s * k + j] as usize;
+                let logits = (j > 0).then(|| logits_of(ver, &self.logit_row, pl.fed + flat - 1));
+                let pass = logits.is_none_or(|l| prob(l, tok) > self.p.token_threshold);
                 all_so_far &= pass;
                 prefix_len += all_so_far as usize;
                 ok &= pass;
                 row.push(ok);
+                if let Some(top) = self.p.logprobs {
+                    lps.push(logits.filter(|_| ok).map(|l| logprob(l, tok, top as usize)));
+                }
             }
             tags.push(row);
         }
-        (tags, prefix_len)
+        (tags, prefix_len, lps)
     }
 
     /// The slots the verification accepts, `(slot, tokens kept)`, and the slots the step
@@ -491,10 +532,12 @@ impl SlotDecoder {
 
     /// Commits the accepted tokens (their entries: the leading ones of the verification's
     /// row) and ends the step.
+    #[allow(clippy::too_many_arguments)]
     fn commit_accepted(
         &mut self,
         x0: &[u32],
         remain: &[(usize, usize)],
+        lps: Vec<Option<TokenLogprob>>,
         to_remove: Vec<usize>,
         fed: usize,
         cache: &mut SeqCache<'_>,
@@ -511,6 +554,7 @@ impl SlotDecoder {
         }
         cache.truncate_rows(fed + tokens.len())?;
         cache.commit_row(0)?;
+        self.keep_logprobs(&positions, lps);
         self.cur_x.extend_from_slice(&tokens);
         self.cur_pos.extend_from_slice(&positions);
         on_event(Event::Committed {
@@ -521,6 +565,44 @@ impl SlotDecoder {
         self.tpf_steps += 1;
         self.end_step(to_remove);
         Ok(())
+    }
+}
+
+/// A verification's tags and passing prefix (see [`SlotDecoder::verify_tags`]), and the
+/// passing tokens' logprobs.
+type VerifyTags = (Vec<Vec<bool>>, usize, Vec<Option<TokenLogprob>>);
+
+impl SlotDecoder {
+    /// Keeps committed tokens' logprobs by position (when asked for).
+    pub(super) fn keep_logprobs(&mut self, positions: &[u32], lps: Vec<Option<TokenLogprob>>) {
+        if self.p.logprobs.is_none() {
+            return;
+        }
+        for (&pos, lp) in positions.iter().zip(lps) {
+            if let Some(lp) = lp {
+                self.committed_lp.insert(pos, lp);
+            }
+        }
+    }
+
+    /// The answer's logprobs in `positions`' order (each committed token has one; a token
+    /// without would be a decoder's slip, given as impossible rather than as a number).
+    fn logprobs_at(&mut self, positions: &[u32], tokens: &[u32]) -> Vec<TokenLogprob> {
+        if self.p.logprobs.is_none() {
+            return Vec::new();
+        }
+        let lps = &mut self.committed_lp;
+        positions
+            .iter()
+            .zip(tokens)
+            .map(|(p, &token)| {
+                lps.remove(p).unwrap_or(TokenLogprob {
+                    token,
+                    logprob: f32::NEG_INFINITY,
+                    top: Vec::new(),
+                })
+            })
+            .collect()
     }
 }
 
@@ -626,6 +708,7 @@ impl Strategy for SlotDecoder {
         } else {
             0.0
         };
+        let logprobs = self.logprobs_at(&positions, &tokens);
         DecodeResult {
             tokens,
             positions,
@@ -636,6 +719,8 @@ impl Strategy for SlotDecoder {
             eos_index,
             filled,
             limit: self.p.answer_limit(),
+            logprobs,
+            prompt_logprobs: Vec::new(),
         }
     }
 }

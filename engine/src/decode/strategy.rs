@@ -41,6 +41,13 @@ pub trait Strategy: Send {
 
     fn is_done(&self) -> bool;
 
+    /// Whether the whole prompt's entries are committed (asked after each feed, to cache the
+    /// prompt for later requests): after the first forward, unless the strategy feeds the
+    /// prompt over several.
+    fn prompt_cached(&self) -> bool {
+        true
+    }
+
     /// The result, once done.
     fn result(&mut self) -> DecodeResult;
 }
@@ -141,9 +148,13 @@ impl std::fmt::Display for Kind {
     }
 }
 
-/// The strategy `params` ask for, over `prompt` whose first `cached` tokens (at most
-/// [`Kind::max_reuse`]) are already the sequence's shared entries. The caller has checked the
+/// The strategy `params` ask for (after scoring the prompt, when asked), over `prompt` whose
+/// first `cached` tokens (at most [`DecodeParams::max_reuse`]) are already the sequence's
+/// shared entries. The caller has checked the
 /// prompt and the cache's room ([`super::check`]).
 pub fn start(prompt: &[u32], cached: usize, params: &DecodeParams) -> Box<dyn Strategy> {
+    if params.score_prompt {
+        return Box::new(super::score::Scored::new(prompt, params));
+    }
     params.strategy.method().start(prompt, cached, params)
 }

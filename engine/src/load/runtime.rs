@@ -156,6 +156,45 @@ pub const MAX_CONTEXT: usize = 1 << 24;
 /// CPU has, and few enough that spawning them cannot take minutes.
 pub const MAX_THREADS: usize = 512;
 
+/// Sizes the thread pools (`-t`, the Python module's `n_threads`): rayon's global pool, which
+/// our kernels and candle's quantized matmuls use, and candle's own count for its f32 matmuls.
+/// 0 or absent: one thread per core. The pools can be sized once per process: asking again
+/// for the same count is fine, for another an error; more threads than the CPUs this process
+/// may use get a warning in `notes`.
+pub fn set_threads(threads: Option<usize>, notes: &Notes) -> std::result::Result<(), String> {
+    static SET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let Some(n) = threads.filter(|&n| n > 0) else {
+        return Ok(());
+    };
+    match SET.get() {
+        Some(&done) if done == n => return Ok(()),
+        Some(&done) => {
+            return Err(format!(
+                "cannot set {n} threads: already running with {done}"
+            ))
+        }
+        None => {}
+    }
+    // The CPUs this process may run on (its affinity mask and cgroup quota): more threads
+    // than that only take turns.
+    if let Some(cpus) = std::thread::available_parallelism()
+        .ok()
+        .filter(|c| n > c.get())
+    {
+        notes.say(&format!(
+            "warning: -t {n} is more threads than the {cpus} CPUs this process may use; they will take turns, which is slower (-t {cpus} or fewer)"
+        ));
+    }
+    // candle reads RAYON_NUM_THREADS for its gemm parallelism; set before any use.
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .map_err(|e| format!("cannot set {n} threads: {e}"))?;
+    let _ = SET.set(n);
+    Ok(())
+}
+
 /// How to load a model.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {

@@ -231,10 +231,9 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
             let Some(req) = self.waiting.front() else {
                 return;
             };
-            let gen = req.params.answer_len() as usize;
-            let block = req.params.strategy.scratch(&req.params);
+            let (gen, block) = req.params.answer_room();
             let (seq, reused) = loop {
-                let reuse = req.params.strategy.max_reuse(req.prompt.len());
+                let reuse = req.params.max_reuse(req.prompt.len());
                 let hit = self.prefixes.lookup(&req.prompt, reuse);
                 let reused = hit.as_ref().map_or(0, |h| h.len);
                 let borrow = hit.map(|h| h.segments).unwrap_or_default();
@@ -365,8 +364,8 @@ impl<'a, M: Forward + ?Sized> Scheduler<'a, M> {
                 continue;
             }
             sink(Update::Stepped);
-            if !r.prompt_cached {
-                // The first forward fed the prompt: its entries can serve later requests.
+            if !r.prompt_cached && r.dec.prompt_cached() {
+                // The prompt's entries are in: they can serve later requests.
                 r.prompt_cached = true;
                 if r.own_prompt > 0 {
                     let prompt = &r.req.prompt;

@@ -4,7 +4,7 @@
 //! `slot_size` rounds; then the verified tokens are committed in the reference's order.
 
 use super::{logits_of, Phase, SlotDecoder};
-use crate::decode::{argmax, prob, Event};
+use crate::decode::{argmax, logprob, prob, Event, TokenLogprob};
 use crate::error::{Error, Result};
 use crate::kv::SeqCache;
 use crate::model::{Batch, LogitsRef};
@@ -16,6 +16,8 @@ pub(super) struct Infill {
     pub(super) to_remove: Vec<usize>,
     pub(super) counts_block: usize,
     pub(super) spec: Vec<Vec<u32>>,
+    /// With logprobs: each row token's, from the forward that drafted or verified it.
+    pub(super) lp: Vec<Vec<Option<TokenLogprob>>>,
     pub(super) tags: Vec<Vec<bool>>,
     pub(super) row_pos: Vec<Vec<u32>>,
     pub(super) row_slot_starts: Vec<u32>,
@@ -39,7 +41,12 @@ impl SlotDecoder {
             for j in inf.a..self.k {
                 if !inf.tags[r][j] {
                     let b = r * width + (j - inf.a);
-                    inf.spec[r][j] = argmax(logits_of(dl, &self.logit_row, b)) as u32;
+                    let row = logits_of(dl, &self.logit_row, b);
+                    let tok = argmax(row);
+                    inf.spec[r][j] = tok as u32;
+                    if let Some(top) = self.p.logprobs {
+                        inf.lp[r][j] = Some(logprob(row, tok, top as usize));
+                    }
                 }
             }
         }
@@ -64,12 +71,15 @@ impl SlotDecoder {
             let old = inf.tags[r].clone();
             for j in a..k {
                 let local = j - a;
-                // A token whose predecessor was verified is accepted (at least one per row);
-                // another is scored by the logits of token j-1.
+                // A token whose predecessor was verified is accepted (at least one per row),
+                // as drafted; another is scored by the logits of token j-1.
                 let pass = local == 0 || old[j - 1] || {
-                    let src = r * width + local - 1;
-                    prob(logits_of(vl, &self.logit_row, src), inf.spec[r][j] as usize)
-                        > self.p.token_threshold
+                    let row = logits_of(vl, &self.logit_row, r * width + local - 1);
+                    let tok = inf.spec[r][j] as usize;
+                    if let Some(top) = self.p.logprobs {
+                        inf.lp[r][j] = Some(logprob(row, tok, top as usize));
+                    }
+                    prob(row, tok) > self.p.token_threshold
                 };
                 ok &= pass;
                 inf.tags[r][j] = ok;
@@ -117,6 +127,7 @@ impl SlotDecoder {
             return Ok(());
         }
         retain_by(&mut inf.spec, &keep);
+        retain_by(&mut inf.lp, &keep);
         retain_by(&mut inf.tags, &keep);
         retain_by(&mut inf.row_pos, &keep);
         retain_by(&mut inf.chosen, &keep);
@@ -165,11 +176,13 @@ impl SlotDecoder {
         let mut entries = Vec::new();
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
+        let mut lps = Vec::new();
         let mut eos_rows = Vec::new();
         for (r, row) in inf.spec.iter().enumerate() {
             for (j, &t) in row.iter().enumerate() {
                 entries.push((r, j));
                 tokens.push(t);
+                lps.push(inf.lp.get(r).and_then(|l| l.get(j)).cloned().flatten());
                 positions.push(inf.row_pos[r][j]);
                 if t == eos {
                     eos_rows.push((r, inf.row_pos[r][j]));
@@ -178,6 +191,7 @@ impl SlotDecoder {
             }
         }
         cache.commit(&entries)?;
+        self.keep_logprobs(&positions, lps);
         self.cur_x.extend_from_slice(&tokens);
         self.cur_pos.extend_from_slice(&positions);
         on_event(Event::Committed {
