@@ -10,9 +10,10 @@ refusion's own figures (benches/README.md#lm-evaluation-harness).
   `local-completions` (the chat-rendered prompt, tokenized by the server's own /tokenize: vLLM's
   remote tokenizer) and `refusion_tiny_gen_chat` through `local-chat-completions`: each must equal
   `refusion bench --decode card --prompts 200` on the same file.
-- `refusion_tiny_mc` (multiple_choice, the 50 held-out sums against three wrong sums each,
-  loglikelihood through `/v1/completions` with `echo` and `logprobs`): must equal the same choice
-  made from refusion's own scores of each choice's tokens (`max_tokens: 0`).
+- `refusion_tiny_mc` (multiple_choice, the 50 held-out sums: after the question and the
+  reference's worked columns, "So a + b = N.\nThe answer is N." for the right sum against three
+  wrong ones, loglikelihood through `/v1/completions` with `echo` and `logprobs`): must equal
+  the same choice made from refusion's own scores of each choice's tokens (`max_tokens: 0`).
 
 Exits 1 when a figure differs. Not run in CI (lm-eval brings torch and transformers).
 """
@@ -75,10 +76,15 @@ def write_tasks(base, data_dir):
             prompt = post(base, "/apply-template", {"messages": [{"role": "user", "content": q["question"]}]})["prompt"]
             f.write(json.dumps({"prompt": prompt, **q}) + "\n")
             if q["kind"] == "add":
+                # The worked columns given; the sum they add up to is the choice.
+                lines = q["response"].split("\n")
+                at = next(i for i, l in enumerate(lines) if l.startswith("So "))
+                context = prompt + "\n".join(lines[:at]) + "\n"
+                so = lines[at].rsplit("= ", 1)[0]
                 n = int(q["answer"])
                 nums = [n] + wrong_sums(n, rng)
                 rng.shuffle(nums)
-                mc.append({"prompt": prompt, "choices": [f"The answer is {x}." for x in nums],
+                mc.append({"prompt": context, "choices": [f"{so}= {x}.\nThe answer is {x}." for x in nums],
                            "target": nums.index(n)})
     with open(os.path.join(data_dir, "mc.jsonl"), "w") as f:
         for d in mc:
