@@ -28,6 +28,30 @@ fn completion_apply_template_slots_and_refusals() {
         "{v}"
     );
     assert!(v["tokens_evaluated"].as_u64().unwrap() > 0 && v["timings"]["predicted_n"].is_number());
+    // n_probs: each answer token's log-probability with its alternatives, in llama-server's
+    // shape; the same answer.
+    let p = server.post_json(
+        "/completion",
+        &json!({"prompt": "Once upon a time", "n_predict": 8, "n_probs": 3}),
+    );
+    assert_eq!(p["content"], v["content"], "{p}");
+    let probs = p["completion_probabilities"].as_array().unwrap();
+    assert_eq!(
+        probs.len() as u64,
+        p["tokens_predicted"].as_u64().unwrap(),
+        "{p}"
+    );
+    for t in probs {
+        let top = t["top_logprobs"].as_array().unwrap();
+        assert!(!top.is_empty() && top.len() <= 3, "{t}");
+        assert!(
+            t["id"].is_u64() && t["logprob"].as_f64().unwrap() <= 0.0,
+            "{t}"
+        );
+        assert!(top
+            .windows(2)
+            .all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()));
+    }
     // Token ids as the prompt; only the fields asked for.
     let ids =
         server.post_json("/tokenize", &json!({"content": "Once upon a time"}))["tokens"].clone();
@@ -94,7 +118,11 @@ fn completion_apply_template_slots_and_refusals() {
     }
     for (body, param) in [
         (json!({"prompt": "a", "id_slot": 2}), "id_slot"),
-        (json!({"prompt": "a", "n_probs": 5}), "n_probs"),
+        (json!({"prompt": "a", "n_probs": 21}), "n_probs"),
+        (
+            json!({"prompt": "a", "n_probs": 2, "stream": true}),
+            "n_probs",
+        ),
         (
             json!({"prompt": "a", "return_tokens": true}),
             "return_tokens",

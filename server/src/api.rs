@@ -507,17 +507,21 @@ impl Knobs {
                 s.logprobs = on.then_some(top);
             }
         }
+        self.set_scoring(s, "logprobs")
+    }
+
+    /// Asks for `s` (its request field: `field`): log-probabilities are kept with the decode's
+    /// result, which a streamed or stop-cut answer does not wait for, so those are refused.
+    pub fn set_scoring(&mut self, s: Scoring, field: &'static str) -> Result<(), ApiError> {
         if s.logprobs.is_some() {
-            // Each token's is kept with the decode's result, which a streamed or stop-cut
-            // answer does not wait for.
+            let bad = |m: String| Err(ApiError::bad_request(m).param(field));
             if self.stream {
-                return bad(
-                    "logprobs",
-                    "logprobs is not supported with stream: true (ask for the answer whole)".into(),
-                );
+                return bad(format!(
+                    "{field} is not supported with stream: true (ask for the answer whole)"
+                ));
             }
             if self.stop.as_ref().is_some_and(|st| !st.list().is_empty()) {
-                return bad("logprobs", "logprobs is not supported with stop strings (the answer is cut by text, its log-probabilities by token)".into());
+                return bad(format!("{field} is not supported with stop strings (the answer is cut by text, its log-probabilities by token)"));
             }
         }
         self.scoring = s;

@@ -5,8 +5,9 @@
 //! embedding endpoints, which this server refuses by name.
 //!
 //! What llama-server takes that has nothing to act on here is accepted when it changes
-//! nothing (`cache_prompt`: prompts are cached anyway; `id_slot: -1`; `n_probs: 0`) and
-//! refused by name when it would (`id_slot` pinning, `n_probs`, `return_tokens`).
+//! nothing (`cache_prompt`: prompts are cached anyway; `id_slot: -1`) and refused by name when
+//! it would (`id_slot` pinning, `return_tokens`); `n_probs` gives `completion_probabilities`
+//! (docs/logprobs.md).
 
 use std::sync::Arc;
 
@@ -93,6 +94,9 @@ async fn completion_inner(state: Arc<AppState>, body: Bytes) -> Result<Response,
         drop(guard);
         let mut v = last(got.finish_reason, got.completion_tokens, got.prompt_tokens);
         v["content"] = json!(got.text);
+        if let Some(s) = &got.scores {
+            v["completion_probabilities"] = s.llama();
+        }
         v["timings"] = got
             .figures
             .timings(got.prompt_tokens, got.completion_tokens);

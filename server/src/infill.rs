@@ -15,7 +15,8 @@
 //! temperature 0 (greedy) a filter changes nothing and is accepted, above it it is refused by
 //! name ([`Sampling`]); `cache_prompt` is what the server does anyway; `t_max_prompt_ms` is
 //! accepted as llama-server accepts it, which does not act on it either (its `slot_params`:
-//! "TODO: implement"); `id_slot` and `n_probs` as on `/completion`.
+//! "TODO: implement"); `id_slot` as on `/completion`; `n_probs` is refused by name (a gap's
+//! tokens get no log-probabilities).
 
 use std::sync::Arc;
 
@@ -101,6 +102,12 @@ async fn infill_inner(state: Arc<AppState>, body: Bytes) -> Result<Response, Api
     let req: InfillRequest = parse_llama(&body)?;
     let before = req.before();
     let knobs = req.llama.knobs()?;
+    if knobs.scoring.logprobs.is_some() {
+        return Err(ApiError::bad_request(
+            "n_probs is not supported on /infill: the middle is a gap filled by slot decoding (docs/logprobs.md)",
+        )
+        .param("n_probs"));
+    }
     let fields = req.llama.response_fields.clone();
     if knobs.max_tokens == Some(0) {
         // Context only (llama.vim sends its ring of chunks so): nothing to generate.

@@ -1,10 +1,11 @@
 //! llama-server's request conventions that its native endpoints share (`/completion`,
-//! `/infill`): `n_predict` and `seed` with -1 for "the default", and the slot and probability
-//! fields, accepted at their values that change nothing and refused by name otherwise.
+//! `/infill`): `n_predict` and `seed` with -1 for "the default", `n_probs` (each answer
+//! token's log-probability with that many alternatives, docs/logprobs.md), and the slot field,
+//! accepted at the value that changes nothing and refused by name otherwise.
 
 use serde::Deserialize;
 
-use super::api::{ApiError, Knobs, Sampling, Stop};
+use super::api::{ApiError, Knobs, Sampling, Scoring, Stop};
 
 /// The fields `/completion` and `/infill` share, flattened into each request
 /// ([`crate::api::parse_llama`] names a mistyped one).
@@ -23,7 +24,7 @@ pub(crate) struct LlamaFields {
     _cache_prompt: Option<bool>,
     /// -1: any slot; a given slot cannot be pinned.
     id_slot: Option<i64>,
-    /// Probabilities of the top tokens: refused above 0.
+    /// Each answer token's log-probability with this many alternatives (0: none).
     n_probs: Option<u32>,
     /// The fields to answer with (`timings/predicted_n`: a nested one, keyed by its path).
     pub response_fields: Option<Vec<String>>,
@@ -38,11 +39,10 @@ pub(crate) struct LlamaFields {
 }
 
 impl LlamaFields {
-    /// As the OpenAI endpoints' knobs, checked the same way; a pinned slot or token
-    /// probabilities are refused here.
+    /// As the OpenAI endpoints' knobs, checked the same way; a pinned slot is refused here.
     pub fn knobs(&self) -> Result<Knobs, ApiError> {
-        refuse_slot_and_probs(self.id_slot, self.n_probs)?;
-        Ok(Knobs {
+        refuse_pinned_slot(self.id_slot)?;
+        let mut k = Knobs {
             max_tokens: n_predict(self.n_predict)?,
             temperature: self.temperature,
             seed: seed(self.seed)?,
@@ -55,7 +55,24 @@ impl LlamaFields {
             strategy: self.strategy.clone(),
             sampling: self.sampling.clone(),
             ..Knobs::default()
-        })
+        };
+        let n = self.n_probs.unwrap_or(0);
+        let max = refusion_engine::decode::MAX_TOP_LOGPROBS;
+        if n > max {
+            return Err(
+                ApiError::bad_request(format!("n_probs must be at most {max}, got {n}"))
+                    .param("n_probs"),
+            );
+        }
+        let logprobs = (n > 0).then_some(n);
+        k.set_scoring(
+            Scoring {
+                logprobs,
+                echo: false,
+            },
+            "n_probs",
+        )?;
+        Ok(k)
     }
 }
 
@@ -82,20 +99,13 @@ fn seed(s: Option<i64>) -> Result<Option<u64>, ApiError> {
     }
 }
 
-/// `id_slot` (-1: any) and `n_probs` (0: none): a pinned slot or token probabilities are
-/// refused by name.
-fn refuse_slot_and_probs(id_slot: Option<i64>, n_probs: Option<u32>) -> Result<(), ApiError> {
+/// `id_slot` (-1: any): a pinned slot is refused by name.
+fn refuse_pinned_slot(id_slot: Option<i64>) -> Result<(), ApiError> {
     let bad = |m: &str, p: &str| Err(ApiError::bad_request(m.to_string()).param(p));
     if id_slot.is_some_and(|s| s != -1) {
         return bad(
             "id_slot is not supported: requests share the slots as the scheduler places them (send -1)",
             "id_slot",
-        );
-    }
-    if n_probs.is_some_and(|n| n > 0) {
-        return bad(
-            "n_probs is not supported: slot decoding commits tokens verified or infilled in parallel, whose probabilities are not left-to-right log-probabilities",
-            "n_probs",
         );
     }
     Ok(())

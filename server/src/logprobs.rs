@@ -1,8 +1,9 @@
 //! Log-probabilities as the OpenAI APIs return them: the decode's per-token figures
 //! ([`refusion_engine::decode::TokenLogprob`]) with each token's text, in `/v1/completions`'
 //! shape (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`; with `echo`, the
-//! prompt's tokens first, the first of them unscored) and in `/v1/chat/completions`' shape
-//! (`content`: one object per token with its `bytes` and `top_logprobs`).
+//! prompt's tokens first, the first of them unscored), in `/v1/chat/completions`' shape
+//! (`content`: one object per token with its `bytes` and `top_logprobs`) and in llama-server's
+//! (`completion_probabilities`, for `/completion`'s `n_probs`).
 
 use serde_json::{json, Value};
 
@@ -12,12 +13,22 @@ use refusion_engine::decode::{shortest_f64, DecodeResult, TokenLogprob};
 /// One token as the client sees it.
 #[derive(Debug, Clone)]
 pub struct ScoredToken {
+    pub id: u32,
     pub text: String,
     pub bytes: Vec<u8>,
     /// None for the prompt's first token (nothing before it to predict it).
     pub logprob: Option<f32>,
     /// The most likely tokens where it was chosen or scored, most likely first.
-    pub top: Vec<(String, Vec<u8>, f32)>,
+    pub top: Vec<Alternative>,
+}
+
+/// One of a token's most likely alternatives.
+#[derive(Debug, Clone)]
+pub struct Alternative {
+    pub id: u32,
+    pub text: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
 }
 
 /// A request's scored tokens: the prompt's (when `echo` asked for them) and the answer's.
@@ -37,12 +48,18 @@ fn scored(tok: &Tokenizer, id: u32, lp: Option<&TokenLogprob>) -> ScoredToken {
                 .iter()
                 .map(|&(t, p)| {
                     let (text, bytes) = tok.piece(t);
-                    (text, bytes, p)
+                    Alternative {
+                        id: t,
+                        text,
+                        bytes,
+                        logprob: p,
+                    }
                 })
                 .collect()
         })
         .unwrap_or_default();
     ScoredToken {
+        id,
         text,
         bytes,
         logprob: lp.map(|l| l.logprob),
@@ -101,8 +118,8 @@ impl Scores {
                 None => Value::Null,
                 Some(_) => {
                     let mut m = serde_json::Map::new();
-                    for (text, _, p) in &t.top {
-                        m.entry(text.clone()).or_insert(number(*p));
+                    for a in &t.top {
+                        m.entry(a.text.clone()).or_insert(number(a.logprob));
                     }
                     Value::Object(m)
                 }
@@ -122,13 +139,32 @@ impl Scores {
                 let top: Vec<Value> = t
                     .top
                     .iter()
-                    .map(|(text, bytes, p)| json!({"token": text, "logprob": number(*p), "bytes": bytes}))
+                    .map(|a| json!({"token": a.text, "logprob": number(a.logprob), "bytes": a.bytes}))
                     .collect();
                 json!({"token": t.text, "logprob": t.logprob.map_or(Value::Null, number),
                        "bytes": t.bytes, "top_logprobs": top})
             })
             .collect();
         json!({"content": content, "refusal": null})
+    }
+
+    /// llama-server's `completion_probabilities` (`n_probs`): the answer's tokens, each with
+    /// its id, text, bytes, logprob and `top_logprobs`.
+    pub fn llama(&self) -> Value {
+        let entry = |id: u32, text: &str, bytes: &[u8], lp: Option<f32>| json!({"id": id, "token": text, "bytes": bytes, "logprob": lp.map_or(Value::Null, number)});
+        let all: Vec<Value> = self
+            .answer
+            .iter()
+            .map(|t| {
+                let mut v = entry(t.id, &t.text, &t.bytes, t.logprob);
+                let alts = t.top.iter();
+                v["top_logprobs"] = alts
+                    .map(|a| entry(a.id, &a.text, &a.bytes, Some(a.logprob)))
+                    .collect();
+                v
+            })
+            .collect();
+        Value::Array(all)
     }
 }
 
