@@ -48,6 +48,24 @@ pub fn result<'py>(
     let scored = (!r.prompt_logprobs.is_empty()).then(|| logprobs(&r.prompt_logprobs));
     d.set_item("prompt_logprobs", scored)?;
     d.set_item("steps", (!steps.is_empty()).then_some(steps))?;
+    // A template's fills, as `generate --json` gives them.
+    let gaps = match &r.filled {
+        Some(f) => {
+            let mut out = Vec::with_capacity(f.gaps.len());
+            for g in &f.gaps {
+                let gap = PyDict::new(py);
+                gap.set_item("start", g.start)?;
+                gap.set_item("text", g.text_of(&tok.bytes_of(&g.tokens)))?;
+                gap.set_item("tokens", g.tokens.clone())?;
+                gap.set_item("eos", g.eos)?;
+                gap.set_item("truncated", g.truncated)?;
+                out.push(gap);
+            }
+            Some(out)
+        }
+        None => None,
+    };
+    d.set_item("gaps", gaps)?;
     Ok(d)
 }
 

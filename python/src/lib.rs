@@ -165,10 +165,11 @@ impl Model {
     }
 
     /// Decodes each prompt (token ids), all together; the results in order. The keyword
-    /// arguments are the server's request fields.
+    /// arguments are the server's request fields; `template`: an answer whose `{{gap}}`
+    /// markers are filled (docs/infill.md).
     #[pyo3(signature = (prompts, *, max_tokens=None, temperature=None, seed=None, slot_size=None,
                         serial_blocks=None, slot_threshold=None, token_threshold=None,
-                        strategy=None, logprobs=None, echo=false, trace=false))]
+                        strategy=None, logprobs=None, echo=false, trace=false, template=None))]
     #[allow(clippy::too_many_arguments)]
     fn decode<'py>(
         &self,
@@ -185,8 +186,9 @@ impl Model {
         logprobs: Option<u32>,
         echo: bool,
         trace: bool,
+        template: Option<String>,
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let params = self.params(Overrides {
+        let mut params = self.params(Overrides {
             max_tokens,
             temperature,
             seed,
@@ -198,6 +200,9 @@ impl Model {
             logprobs,
             score_prompt: echo && logprobs.is_some(),
         })?;
+        if let Some(text) = template {
+            params = self.with_template(params, &text)?;
+        }
         let cancel = Arc::new(AtomicBool::new(false));
         let mut waiting: Vec<(Vec<u32>, mpsc::Receiver<Reply>)> = Vec::with_capacity(prompts.len());
         for prompt in prompts {
@@ -289,6 +294,24 @@ impl Model {
     fn params(&self, o: Overrides) -> PyResult<DecodeParams> {
         o.apply(&self.ready.base, self.max_gen)
             .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// `params` decoding `text`'s gaps (the infill strategy unless another is named), its
+    /// spans tokenized as the CLI's `--template` does.
+    fn with_template(&self, params: DecodeParams, text: &str) -> PyResult<DecodeParams> {
+        use refusion_engine::decode::template::{parse, TokenBytes};
+        use refusion_engine::decode::Template;
+        let bad = |e: refusion_engine::error::RequestError| PyValueError::new_err(e.to_string());
+        let pieces = parse(text, params.gen_length).map_err(bad)?;
+        let tok: &Tokenizer = &self.ready.tokenizer;
+        let vocab: &dyn TokenBytes = tok;
+        let t =
+            Template::from_text(&pieces, |s| tok.encode_text(s), Some(vocab)).map_err(py_err)?;
+        t.validate_for(params.mask_id, self.ready.vocab, params.slot_size)
+            .map_err(bad)?;
+        let params = params.with_template(t);
+        params.validate().map_err(bad)?;
+        Ok(params)
     }
 
     fn check_ids(&self, ids: &[u32]) -> PyResult<()> {

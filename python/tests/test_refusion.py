@@ -97,6 +97,20 @@ def test_generate_gives_the_figures_and_the_same_answer_as_chat(llm):
     assert [t for _, t in done] == r["tokens"]
 
 
+def test_a_template_s_gaps_are_filled_as_the_cli_fills_them(llm):
+    q = "What is 23 + 16?"
+    t = "We add 23 and 16 column by column.\n{{gap}}\nThe answer is {{gap:8}}."
+    r = llm.generate(q, template=t)
+    assert r["gaps"] and len(r["gaps"]) == 2, r
+    assert r["text"].startswith("We add 23 and 16 column by column.\n"), r["text"]
+    assert r["text"].endswith(".") and r["gaps"][1]["text"].strip() == "39", r
+    cli = subprocess.run([BIN, "generate", "-m", MODEL, "-p", q, "--template", t, "-t", "2", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(cli)["gaps"] == r["gaps"], cli
+    with pytest.raises(ValueError, match="template"):
+        llm.generate(q, template="no gap here")
+
+
 def test_threads_calling_one_model_at_once_get_their_own_answers(llm):
     alone = {q: llm.generate(q)["tokens"] for q in QUESTIONS}
     got, errors = {}, []

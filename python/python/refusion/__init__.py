@@ -99,21 +99,41 @@ class Refusion:
 
     # ReFusion's own calls -------------------------------------------------------------------
 
-    def generate(self, prompt: Prompt, *, template: bool = True, trace: bool = False, **knobs: Any) -> Dict[str, Any]:
-        """Decodes ``prompt`` (text, through the chat template unless ``template=False``, or
-        token ids) and returns ``text``, ``tokens``, ``finish_reason``, ``tpf``,
-        ``forwards``, ``forward_tokens``, the token counts, and with ``trace=True`` the
-        decode's ``steps`` (each a list of ``(answer index, state, token)``, what the web page
-        draws). ``knobs``: max_tokens, temperature, seed, slot_size, serial_blocks,
-        slot_threshold, token_threshold, strategy ("slots", "ar"), logprobs."""
-        return self.generate_batch([prompt], template=template, trace=trace, **knobs)[0]
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        template: Optional[str] = None,
+        chat_template: bool = True,
+        trace: bool = False,
+        **knobs: Any,
+    ) -> Dict[str, Any]:
+        """Decodes ``prompt`` (text, through the chat template unless ``chat_template=False``,
+        or token ids) and returns ``text``, ``tokens``, ``finish_reason``, ``tpf``,
+        ``forwards``, ``forward_tokens``, the token counts; with ``template`` (an answer with
+        ``{{gap}}`` / ``{{gap:N}}`` markers, filled in any order: docs/infill.md) each gap's
+        fill as ``gaps``; with ``trace=True`` the decode's ``steps`` (each a list of ``(answer
+        index, state, token)``, what the web page draws). ``knobs``: max_tokens, temperature,
+        seed, slot_size, serial_blocks, slot_threshold, token_threshold, strategy ("slots",
+        "ar", "infill"), logprobs."""
+        return self.generate_batch(
+            [prompt], template=template, chat_template=chat_template, trace=trace, **knobs
+        )[0]
 
-    def generate_batch(self, prompts: Sequence[Prompt], *, template: bool = True, trace: bool = False, **knobs: Any) -> List[Dict[str, Any]]:
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        template: Optional[str] = None,
+        chat_template: bool = True,
+        trace: bool = False,
+        **knobs: Any,
+    ) -> List[Dict[str, Any]]:
         """``generate`` for many prompts, decoded together by the scheduler (``n_parallel``
         at a time); the results in order."""
         _check_knobs(knobs, _KNOBS + ("logprobs",))
-        ids = [self._prompt_ids(p, template) for p in prompts]
-        return self._model.decode(ids, trace=trace, **knobs)
+        ids = [self._prompt_ids(p, chat_template) for p in prompts]
+        return self._model.decode(ids, trace=trace, template=template, **knobs)
 
     # llama-cpp-python's calls, answering as refusion serve does ------------------------------
 

@@ -40,6 +40,7 @@ class Model:
         logprobs: Optional[int] = None,
         echo: bool = False,
         trace: bool = False,
+        template: Optional[str] = None,
     ) -> List[Dict[str, Any]]: ...
     def stream(
         self,
