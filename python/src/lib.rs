@@ -17,8 +17,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use refusion_engine::chat::{ChatTemplate, Message, Tokenizer};
-use refusion_engine::decode::{DecodeParams, DecodeResult, Overrides};
-use refusion_engine::error::Error;
+use refusion_engine::decode::template::{parse, GapSize, TextPiece, TokenBytes};
+use refusion_engine::decode::{DecodeParams, DecodeResult, Overrides, Template};
+use refusion_engine::error::{Error, RequestError};
 use refusion_engine::kv::{CacheType, KvTypes};
 use refusion_engine::load::plan::GpuLayers;
 use refusion_engine::load::runtime::{set_threads, DeviceChoice, LoadOptions};
@@ -27,6 +28,11 @@ use worker::{Job, Ready, Reply};
 
 /// How often a waiting caller takes the GIL back to look for Ctrl-C.
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
+
+/// A request's mistake as Python's `ValueError`.
+fn bad_request(e: RequestError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
 
 /// An engine error as Python's: the caller's mistakes `ValueError`, the rest `RuntimeError`,
 /// each with the engine's one-line message.
@@ -166,10 +172,12 @@ impl Model {
 
     /// Decodes each prompt (token ids), all together; the results in order. The keyword
     /// arguments are the server's request fields; `template`: an answer whose `{{gap}}`
-    /// markers are filled (docs/infill.md).
+    /// markers are filled (docs/infill.md); `suffix`: the text after one gap (the prompt's end
+    /// healed, as `/v1/completions`' `suffix`).
     #[pyo3(signature = (prompts, *, max_tokens=None, temperature=None, seed=None, slot_size=None,
                         serial_blocks=None, slot_threshold=None, token_threshold=None,
-                        strategy=None, logprobs=None, echo=false, trace=false, template=None))]
+                        strategy=None, logprobs=None, echo=false, trace=false, template=None,
+                        suffix=None))]
     #[allow(clippy::too_many_arguments)]
     fn decode<'py>(
         &self,
@@ -187,6 +195,7 @@ impl Model {
         echo: bool,
         trace: bool,
         template: Option<String>,
+        suffix: Option<String>,
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let mut params = self.params(Overrides {
             max_tokens,
@@ -201,15 +210,22 @@ impl Model {
             score_prompt: echo && logprobs.is_some(),
         })?;
         if let Some(text) = template {
-            params = self.with_template(params, &text)?;
+            let pieces = parse(&text, params.gen_length).map_err(bad_request)?;
+            params = self.with_pieces(params, &pieces, None)?;
         }
         let cancel = Arc::new(AtomicBool::new(false));
         let mut waiting: Vec<(Vec<u32>, mpsc::Receiver<Reply>)> = Vec::with_capacity(prompts.len());
-        for prompt in prompts {
+        for mut prompt in prompts {
             let (tx, rx) = mpsc::channel();
+            let mut params = params.clone();
+            if let Some(s) = suffix.as_ref().filter(|s| !s.is_empty()) {
+                let gap = TextPiece::Gap(GapSize::most(params.gen_length));
+                let pieces = [gap, TextPiece::Text(s.clone())];
+                params = self.with_pieces(params, &pieces, Some(&mut prompt))?;
+            }
             self.send(Job {
                 prompt: prompt.clone(),
-                params: params.clone(),
+                params,
                 cancel: cancel.clone(),
                 stream: false,
                 trace,
@@ -296,21 +312,34 @@ impl Model {
             .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
-    /// `params` decoding `text`'s gaps (the infill strategy unless another is named), its
-    /// spans tokenized as the CLI's `--template` does.
-    fn with_template(&self, params: DecodeParams, text: &str) -> PyResult<DecodeParams> {
-        use refusion_engine::decode::template::{parse, TokenBytes};
-        use refusion_engine::decode::Template;
-        let bad = |e: refusion_engine::error::RequestError| PyValueError::new_err(e.to_string());
-        let pieces = parse(text, params.gen_length).map_err(bad)?;
+    /// `params` decoding `pieces`' gaps (the infill strategy unless another is named), its
+    /// spans tokenized as the CLI's `--template` and the server's do, the gaps within
+    /// `max_tokens` together; with `prompt`, the prompt's end healed (a `suffix`: the text
+    /// before the cursor is the prompt).
+    fn with_pieces(
+        &self,
+        params: DecodeParams,
+        pieces: &[TextPiece],
+        prompt: Option<&mut Vec<u32>>,
+    ) -> PyResult<DecodeParams> {
         let tok: &Tokenizer = &self.ready.tokenizer;
         let vocab: &dyn TokenBytes = tok;
-        let t =
-            Template::from_text(&pieces, |s| tok.encode_text(s), Some(vocab)).map_err(py_err)?;
+        let mut t =
+            Template::from_text(pieces, |s| tok.encode_text(s), Some(vocab)).map_err(py_err)?;
         t.validate_for(params.mask_id, self.ready.vocab, params.slot_size)
-            .map_err(bad)?;
+            .map_err(bad_request)?;
+        let gaps = t.gap_positions(params.slot_size);
+        if gaps > self.max_gen as u64 {
+            return Err(PyValueError::new_err(format!(
+                "template: its gaps hold {gaps} tokens together, more than max_tokens ({})",
+                self.max_gen
+            )));
+        }
+        if let Some(prompt) = prompt {
+            t.heal_prompt_end(prompt, vocab);
+        }
         let params = params.with_template(t);
-        params.validate().map_err(bad)?;
+        params.validate().map_err(bad_request)?;
         Ok(params)
     }
 

@@ -71,7 +71,8 @@ def test_chat_completions_are_the_servers(llm, server):
 def test_completions_are_the_servers_echo_and_scores_included(llm, server):
     ids = llm.tokenize("What is 23 + 16? The answer is")
     for extra in ({"max_tokens": 8}, {"max_tokens": 0, "echo": True, "logprobs": 3},
-                  {"max_tokens": 1, "echo": True, "logprobs": 1}, {"max_tokens": 4, "echo": True}):
+                  {"max_tokens": 1, "echo": True, "logprobs": 1}, {"max_tokens": 4, "echo": True},
+                  {"max_tokens": 32, "suffix": "\nThe answer is 39."}):
         ours = llm.create_completion(ids, **extra)
         theirs = post(server, "/v1/completions", {"prompt": [ids], **extra})
         assert core(ours) == core(theirs), extra

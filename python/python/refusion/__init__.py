@@ -154,8 +154,6 @@ class Refusion:
         the server's ``text_completion`` dict, or with ``stream=True`` an iterator of its
         chunks. ``logprobs=N``: each token's with N alternatives; ``echo``: the prompt first
         (with ``logprobs``, scored; ``max_tokens=0`` then scores it alone)."""
-        if suffix:
-            raise ValueError("suffix is not supported by the Python API yet (refusion serve's /v1/completions fills it)")
         stops = _stops(stop)
         _check_knobs(knobs, _KNOBS)
         if isinstance(logprobs, bool) and logprobs:
@@ -167,8 +165,13 @@ class Refusion:
         knobs.update(max_tokens=max_tokens, temperature=temperature, seed=seed)
         head = _head("cmpl", "text_completion", self.model_path)
         if stream:
+            if suffix:
+                raise ValueError("suffix with stream: true is not supported by the Python API yet (ask for the answer whole)")
             return self._stream_completion(head, ids, echoed, stops, knobs)
-        r = self._model.decode([ids], logprobs=n, echo=echo, **knobs)[0]
+        r = self._model.decode([ids], logprobs=n, echo=echo, suffix=suffix or None, **knobs)[0]
+        if suffix:
+            # The answer is the gap's fill alone.
+            r["text"] = r["gaps"][0]["text"]
         text = self._cut(r, stops)
         choice = {"index": 0, "text": echoed + text, "finish_reason": r["finish_reason"],
                   "logprobs": self._completion_logprobs(r, ids, echo) if n else None}

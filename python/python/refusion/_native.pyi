@@ -41,6 +41,7 @@ class Model:
         echo: bool = False,
         trace: bool = False,
         template: Optional[str] = None,
+        suffix: Optional[str] = None,
     ) -> List[Dict[str, Any]]: ...
     def stream(
         self,
