@@ -18,7 +18,7 @@ use pyo3::types::PyDict;
 
 use refusion_engine::chat::{ChatTemplate, Message, Tokenizer};
 use refusion_engine::decode::template::{parse, GapSize, TextPiece, TokenBytes};
-use refusion_engine::decode::{DecodeParams, DecodeResult, Overrides, Template};
+use refusion_engine::decode::{DecodeParams, DecodeResult, Kind, Overrides, Template};
 use refusion_engine::error::{Error, RequestError};
 use refusion_engine::kv::{CacheType, KvTypes};
 use refusion_engine::load::plan::GpuLayers;
@@ -197,18 +197,28 @@ impl Model {
         template: Option<String>,
         suffix: Option<String>,
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let mut params = self.params(Overrides {
-            max_tokens,
-            temperature,
-            seed,
-            slot_size,
-            serial_blocks,
-            slot_threshold,
-            token_threshold,
-            strategy,
-            logprobs,
-            score_prompt: echo && logprobs.is_some(),
-        })?;
+        let suffix = suffix.filter(|s| !s.is_empty());
+        if template.is_some() && suffix.is_some() {
+            return Err(PyValueError::new_err(
+                "give a template or a suffix, not both",
+            ));
+        }
+        let gaps = template.is_some() || suffix.is_some();
+        let mut params = self.params(
+            Overrides {
+                max_tokens,
+                temperature,
+                seed,
+                slot_size,
+                serial_blocks,
+                slot_threshold,
+                token_threshold,
+                strategy,
+                logprobs,
+                score_prompt: echo && logprobs.is_some(),
+            },
+            gaps,
+        )?;
         if let Some(text) = template {
             let pieces = parse(&text, params.gen_length).map_err(bad_request)?;
             params = self.with_pieces(params, &pieces, None)?;
@@ -218,7 +228,7 @@ impl Model {
         for mut prompt in prompts {
             let (tx, rx) = mpsc::channel();
             let mut params = params.clone();
-            if let Some(s) = suffix.as_ref().filter(|s| !s.is_empty()) {
+            if let Some(s) = &suffix {
                 let gap = TextPiece::Gap(GapSize::most(params.gen_length));
                 let pieces = [gap, TextPiece::Text(s.clone())];
                 params = self.with_pieces(params, &pieces, Some(&mut prompt))?;
@@ -265,17 +275,20 @@ impl Model {
         token_threshold: Option<f32>,
         strategy: Option<String>,
     ) -> PyResult<Stream> {
-        let params = self.params(Overrides {
-            max_tokens,
-            temperature,
-            seed,
-            slot_size,
-            serial_blocks,
-            slot_threshold,
-            token_threshold,
-            strategy,
-            ..Default::default()
-        })?;
+        let params = self.params(
+            Overrides {
+                max_tokens,
+                temperature,
+                seed,
+                slot_size,
+                serial_blocks,
+                slot_threshold,
+                token_threshold,
+                strategy,
+                ..Default::default()
+            },
+            false,
+        )?;
         let cancel = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::channel();
         self.send(Job {
@@ -306,10 +319,15 @@ impl Model {
 }
 
 impl Model {
-    /// The request's fields over the file's defaults, checked (a mistake: `ValueError`).
-    fn params(&self, o: Overrides) -> PyResult<DecodeParams> {
-        o.apply(&self.ready.base, self.max_gen)
-            .map_err(|e| PyValueError::new_err(e.to_string()))
+    /// The request's fields over the file's defaults, checked (a mistake: `ValueError`); with
+    /// `gaps` to fill, as the infill strategy's unless the request names another (as the
+    /// server and the CLI check them).
+    fn params(&self, o: Overrides, gaps: bool) -> PyResult<DecodeParams> {
+        let mut base = self.ready.base.clone();
+        if gaps {
+            base.strategy = Kind::Infill;
+        }
+        o.apply(&base, self.max_gen).map_err(bad_request)
     }
 
     /// `params` decoding `pieces`' gaps (the infill strategy unless another is named), its
@@ -331,7 +349,7 @@ impl Model {
         let gaps = t.gap_positions(params.slot_size);
         if gaps > self.max_gen as u64 {
             return Err(PyValueError::new_err(format!(
-                "template: its gaps hold {gaps} tokens together, more than max_tokens ({})",
+                "template: its gaps hold {gaps} tokens together, more than this model's limit ({}: the max_tokens it was loaded with)",
                 self.max_gen
             )));
         }

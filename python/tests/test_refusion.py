@@ -110,6 +110,9 @@ def test_a_template_s_gaps_are_filled_as_the_cli_fills_them(llm):
     assert json.loads(cli)["gaps"] == r["gaps"], cli
     with pytest.raises(ValueError, match="template"):
         llm.generate(q, template="no gap here")
+    # Checked as the infill strategy's settings (slot decoding's blocks need not split).
+    odd = llm.generate(q, template=t, serial_blocks=3)
+    assert odd["gaps"], odd
 
 
 def test_threads_calling_one_model_at_once_get_their_own_answers(llm):

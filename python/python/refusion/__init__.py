@@ -170,9 +170,10 @@ class Refusion:
             return self._stream_completion(head, ids, echoed, stops, knobs)
         r = self._model.decode([ids], logprobs=n, echo=echo, suffix=suffix or None, **knobs)[0]
         if suffix:
-            # The answer is the gap's fill alone.
+            # The answer is the gap's fill alone (decoded whole, then cut: counted whole, as
+            # the server counts a gap's fill).
             r["text"] = r["gaps"][0]["text"]
-        text = self._cut(r, stops)
+        text = self._cut(r, stops, recount=not suffix)
         choice = {"index": 0, "text": echoed + text, "finish_reason": r["finish_reason"],
                   "logprobs": self._completion_logprobs(r, ids, echo) if n else None}
         return {**head, "choices": [choice], "usage": _usage(r)}
@@ -216,15 +217,16 @@ class Refusion:
 
     # ---------------------------------------------------------------------------------------
 
-    def _cut(self, r: Dict[str, Any], stops: List[str]) -> str:
-        """``r``'s text up to its first stop string; cut, ``r`` says "stop" and counts the
-        tokens of the text kept (as the server, whose decode the stop string ends)."""
+    def _cut(self, r: Dict[str, Any], stops: List[str], recount: bool = True) -> str:
+        """``r``'s text up to its first stop string; cut, ``r`` says "stop" and (``recount``)
+        counts the tokens of the text kept (as the server, whose decode the stop string ends)."""
         text = r["text"]
         at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if at < 0:
             return text
         r["finish_reason"] = "stop"
-        r["completion_tokens"] = len(self._model.tokenize(text[:at]))
+        if recount:
+            r["completion_tokens"] = len(self._model.tokenize(text[:at]))
         return text[:at]
 
     def _prompt_ids(self, prompt: Prompt, template: bool) -> List[int]:
