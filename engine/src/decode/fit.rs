@@ -23,7 +23,7 @@ use std::sync::Arc;
 use super::slots::{FirstPlan, SlotDecoder};
 use super::strategy::{Poll, Strategy};
 use super::template::{junction, loosely_at, rewritten_at, Piece, Template};
-use super::{DecodeParams, DecodeResult, Event};
+use super::{DecodeParams, DecodeResult, Earlier, Event};
 use crate::error::Result;
 use crate::kv::SeqCache;
 use crate::model::LogitsRef;
@@ -46,9 +46,7 @@ pub struct Fit {
     stage: Stage,
     inner: SlotDecoder,
     /// Figures of the decodes before the current one.
-    forward_calls: usize,
-    forward_tokens: usize,
-    forward_sizes: Vec<u32>,
+    earlier: Earlier,
     tpf: (f64, usize),
 }
 
@@ -81,9 +79,7 @@ impl Fit {
             params: params.clone(),
             stage,
             inner,
-            forward_calls: 0,
-            forward_tokens: 0,
-            forward_sizes: Vec::new(),
+            earlier: Earlier::default(),
             tpf: (0.0, 0),
         }
     }
@@ -172,10 +168,7 @@ impl Fit {
         cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
-        let done = self.inner.result();
-        self.forward_calls += done.forward_calls;
-        self.forward_tokens += done.forward_tokens;
-        self.forward_sizes.extend(done.forward_sizes);
+        self.earlier.add(self.inner.result());
         let (sum, steps) = self.inner.tpf_parts();
         self.tpf = (self.tpf.0 + sum, self.tpf.1 + steps);
         let (start, k) = (self.prompt.len() as u32, self.params.slot_size);
@@ -313,11 +306,7 @@ impl Strategy for Fit {
         let (sum, steps) = self.inner.tpf_parts();
         let (sum, steps) = (self.tpf.0 + sum, self.tpf.1 + steps);
         r.tpf = if steps > 0 { sum / steps as f64 } else { 0.0 };
-        r.forward_calls += self.forward_calls;
-        r.forward_tokens += self.forward_tokens;
-        let mut sizes = std::mem::take(&mut self.forward_sizes);
-        sizes.append(&mut r.forward_sizes);
-        r.forward_sizes = sizes;
+        self.earlier.put_before(&mut r);
         r
     }
 }

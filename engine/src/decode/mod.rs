@@ -95,6 +95,40 @@ pub struct DecodeResult {
     pub prompt_logprobs: Vec<TokenLogprob>,
 }
 
+/// The forwards a wrapping strategy makes before its inner one decodes (a fitted gap's probes,
+/// a scored prompt): counted here, then put in front of the inner result's own.
+#[derive(Debug, Default)]
+pub(super) struct Earlier {
+    calls: usize,
+    tokens: usize,
+    sizes: Vec<u32>,
+}
+
+impl Earlier {
+    /// One forward of `n` tokens.
+    fn record(&mut self, n: usize) {
+        self.calls += 1;
+        self.tokens += n;
+        self.sizes.push(n as u32);
+    }
+
+    /// Every forward of a finished decode's result.
+    fn add(&mut self, r: DecodeResult) {
+        self.calls += r.forward_calls;
+        self.tokens += r.forward_tokens;
+        self.sizes.extend(r.forward_sizes);
+    }
+
+    /// Puts these forwards before `r`'s.
+    fn put_before(&mut self, r: &mut DecodeResult) {
+        r.forward_calls += self.calls;
+        r.forward_tokens += self.tokens;
+        let mut sizes = std::mem::take(&mut self.sizes);
+        sizes.append(&mut r.forward_sizes);
+        r.forward_sizes = sizes;
+    }
+}
+
 impl DecodeResult {
     /// The answer: generated tokens up to (not including) the first EOS by position; for a
     /// template, its spans and fills stitched in order.

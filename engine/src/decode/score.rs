@@ -10,7 +10,7 @@
 //! all but the last prompt token cached.
 
 use super::strategy::{Poll, Strategy};
-use super::{logprob, DecodeParams, DecodeResult, Event, TokenLogprob};
+use super::{logprob, DecodeParams, DecodeResult, Earlier, Event, TokenLogprob};
 use crate::error::{Error, Result};
 use crate::kv::SeqCache;
 use crate::model::{Batch, LogitsFor, LogitsRef};
@@ -32,9 +32,8 @@ pub struct Scored {
     /// token: the prompt is then wholly cached).
     inner_fed: bool,
     awaiting: bool,
-    forward_calls: usize,
-    forward_tokens: usize,
-    forward_sizes: Vec<u32>,
+    /// The scoring forwards, put before the answer's.
+    earlier: Earlier,
     batch: Batch,
 }
 
@@ -50,9 +49,7 @@ impl Scored {
             inner: None,
             inner_fed: false,
             awaiting: false,
-            forward_calls: 0,
-            forward_tokens: 0,
-            forward_sizes: Vec::new(),
+            earlier: Earlier::default(),
             batch: Batch::default(),
         }
     }
@@ -114,9 +111,7 @@ impl Strategy for Scored {
         }
         self.awaiting = false;
         let n = self.batch.len();
-        self.forward_calls += 1;
-        self.forward_tokens += n;
-        self.forward_sizes.push(n as u32);
+        self.earlier.record(n);
         cache.commit_row(0)?;
         let top = self.params.logprobs.unwrap_or(0) as usize;
         for i in 0..n {
@@ -165,11 +160,7 @@ impl Strategy for Scored {
                 prompt_logprobs: Vec::new(),
             },
         };
-        r.forward_calls += self.forward_calls;
-        r.forward_tokens += self.forward_tokens;
-        let mut sizes = std::mem::take(&mut self.forward_sizes);
-        sizes.append(&mut r.forward_sizes);
-        r.forward_sizes = sizes;
+        self.earlier.put_before(&mut r);
         r.prompt_logprobs = std::mem::take(&mut self.scored);
         r
     }
