@@ -448,3 +448,30 @@ fn a_prompt_of_only_special_tokens_is_fine() {
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(j["prompt_tokens"], 2);
 }
+
+/// A plan that does not fit says why once, with the plan once: the file's name wraps the
+/// reason in the message, not as a second error that `{:#}` would print again.
+#[test]
+fn a_refused_plan_says_why_once() {
+    let e = setup();
+    let mut kv = case(
+        &[
+            "generate",
+            "-m",
+            &e.s("good.gguf"),
+            "--prompt-ids",
+            "5",
+            "-c",
+            "200000",
+            "-n",
+            "150000",
+        ],
+        &[],
+    );
+    kv.env.push(("REFUSION_MAX_MEMORY", "2000000"));
+    let o = run_case(&kv);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    assert_eq!(err.matches("the KV cache for").count(), 1, "{err}");
+    assert_eq!(err.matches("memory plan:").count(), 1, "{err}");
+}

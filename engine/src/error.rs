@@ -11,11 +11,13 @@ pub enum Error {
     /// allocation.
     #[error("{0}")]
     Resource(String),
-    /// An error about the file at `path` (the model being loaded).
-    #[error("{}: {source}", path.display())]
+    /// An error about the file at `path` (the model being loaded). The inner error is part
+    /// of this one's message, not its `source()`: a front end that prints the chain
+    /// (`{:#}`) would otherwise print it twice.
+    #[error("{}: {error}", path.display())]
     InFile {
         path: std::path::PathBuf,
-        source: Box<Error>,
+        error: Box<Error>,
     },
     /// A forward that every request in it shared failed (each gets this).
     #[error("{0}")]

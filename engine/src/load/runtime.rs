@@ -393,7 +393,7 @@ fn open(opts: &LoadOptions) -> Result<Opened> {
     }
     let in_file = |e: Error| Error::InFile {
         path: opts.path.clone(),
-        source: Box::new(e),
+        error: Box::new(e),
     };
     // The tokenizer (a vocabulary and merge table to build) loads beside the device and the
     // config; the plan waits for it, so that it counts the process as it stands.
@@ -433,7 +433,7 @@ fn finish_load(
 ) -> Result<Loaded> {
     let in_file = |e: Error| Error::InFile {
         path: opts.path.clone(),
-        source: Box::new(e),
+        error: Box::new(e),
     };
     let Weights {
         model,
