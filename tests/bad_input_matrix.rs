@@ -384,22 +384,7 @@ fn every_command_refuses_bad_input_cleanly() {
     );
     mem.env.push(("REFUSION_MAX_MEMORY", "1000"));
     cases.push(mem);
-    let mut kv = case(
-        &[
-            "generate",
-            "-m",
-            &e.s("good.gguf"),
-            "--prompt-ids",
-            "5",
-            "-c",
-            "200000",
-            "-n",
-            "150000",
-        ],
-        &["the KV cache for", "--kv-file"],
-    );
-    kv.env.push(("REFUSION_MAX_MEMORY", "2000000"));
-    cases.push(kv);
+    cases.push(kv_short(&e, &["the KV cache for", "--kv-file"]));
 
     assert!(cases.len() >= 40, "{} cases", cases.len());
     let mut failures = Vec::new();
@@ -454,6 +439,15 @@ fn a_prompt_of_only_special_tokens_is_fine() {
 #[test]
 fn a_refused_plan_says_why_once() {
     let e = setup();
+    let o = run_case(&kv_short(&e, &[]));
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    assert_eq!(err.matches("the KV cache for").count(), 1, "{err}");
+    assert_eq!(err.matches("memory plan:").count(), 1, "{err}");
+}
+
+/// `generate` with a context whose KV cache does not fit the memory left beside the weights.
+fn kv_short(e: &Env, needles: &[&'static str]) -> Case {
     let mut kv = case(
         &[
             "generate",
@@ -466,12 +460,8 @@ fn a_refused_plan_says_why_once() {
             "-n",
             "150000",
         ],
-        &[],
+        needles,
     );
     kv.env.push(("REFUSION_MAX_MEMORY", "2000000"));
-    let o = run_case(&kv);
-    let err = stderr(&o);
-    assert!(!o.status.success(), "{err}");
-    assert_eq!(err.matches("the KV cache for").count(), 1, "{err}");
-    assert_eq!(err.matches("memory plan:").count(), 1, "{err}");
+    kv
 }
