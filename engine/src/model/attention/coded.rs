@@ -193,6 +193,16 @@ impl Block<'_> {
                     break;
                 }
                 Self::decode(values, &slots[..n], hd, buf);
+                if !avx512 {
+                    // Every query of the block over the tile, up to six sharing each read.
+                    let ps = |qi: usize| &scores[qi * stride + t0..][..n];
+                    let out = |qi: usize| o(qi / group, qi % group).as_mut_ptr();
+                    // SAFETY: AVX2, FMA (our caller); `out(qi)` is this task's `hd` values of
+                    // its query `qi`; `ps(qi)` has `n` values; the local slots index the tile.
+                    unsafe { avx2::weighted_sums_all(nq, ps, &LOCAL[..n], buf, hd, out, t0 > 0) };
+                    t0 += n;
+                    continue;
+                }
                 for j in 0..nt {
                     let ps = |h: usize| &scores[(j * group + h) * stride + t0..][..n];
                     // SAFETY: AVX2, FMA (our caller) and AVX-512F with `avx512`; `o(j, h)` is
