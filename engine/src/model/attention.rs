@@ -61,7 +61,7 @@ unsafe fn axpy_avx2(o: &mut [f32], p: f32, v: &[f32]) {
 }
 
 /// Most (token, head) queries one task's fast path handles (8 tokens of up to 16 heads per KV
-/// head); beyond, the portable loop runs.
+/// head on AVX-512, up to 32 of 64 on AVX2: [`block_tokens`]); beyond, the portable loop runs.
 #[cfg(target_arch = "x86_64")]
 const MAX_QUERIES: usize = 128;
 
@@ -338,13 +338,15 @@ fn check_sight(q: &[f32], cache: &KvCache, visible: &[Visible<'_>], heads: Heads
 
 /// Tokens of one sequence handled together (one task per KV head): each prefix entry is read,
 /// and decoded from another type than f32, once for all of them. 8 on AVX-512 (as tuned on
-/// Zen 4 and Intel); on AVX2 as many as [`MAX_QUERIES`] allows up to 32: at 128 tokens over
-/// 4,096 bf16 entries, 8-token blocks spent 11% of the forward decoding each tile again (the
-/// Zen 3 VM). Elsewhere 8.
+/// Zen 4 and Intel); on AVX2 up to 32 tokens of at most 64 queries: at 128 tokens over 4,096
+/// bf16 entries, 8-token blocks spent 11% of the forward decoding each tile again (the Zen 3
+/// VM). A thread's scores hold its block's queries over the whole context, and the memory
+/// plan counts four rows per token of the widest chunk (`ModelSizes::scratch`): 64 rows a
+/// thread stay inside it up to 32 threads at chunks of 512. Elsewhere 8.
 fn block_tokens(group: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() && !has_avx512() {
-        return (MAX_QUERIES / group.max(1)).clamp(1, 32);
+        return (64 / group.max(1)).clamp(1, 32);
     }
     let _ = group;
     8
