@@ -112,19 +112,7 @@ fn our_kernels_are_as_exact_as_candles() {
     }
     let dir = tempfile::tempdir().unwrap();
     for outtype in ["q4_k_m", "q5_k_m", "q8_0"] {
-        let out = dir.path().join(format!("syn-{outtype}.gguf"));
-        let path = out.to_str().unwrap();
-        let o = run(&[
-            "convert",
-            "--synthetic",
-            "0.6b",
-            "--outtype",
-            outtype,
-            "-o",
-            path,
-            "-q",
-        ]);
-        assert!(o.status.success(), "{}", stderr(&o));
+        let out = synthetic_0_6b_as(dir.path(), outtype);
         as_exact_as_candles(&out);
         std::fs::remove_file(&out).unwrap();
     }

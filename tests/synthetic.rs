@@ -14,23 +14,6 @@ fn synthetic_0_6b(dir: &std::path::Path) -> std::path::PathBuf {
     synthetic_0_6b_as(dir, "q4_k_m")
 }
 
-/// `convert --synthetic 0.6b --outtype OUTTYPE` into `dir`.
-fn synthetic_0_6b_as(dir: &std::path::Path, outtype: &str) -> std::path::PathBuf {
-    let out = dir.join(format!("syn-{outtype}.gguf"));
-    let o = run(&[
-        "convert",
-        "--synthetic",
-        "0.6b",
-        "--outtype",
-        outtype,
-        "-o",
-        out.to_str().unwrap(),
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    out
-}
-
 /// The logits of `tokens[..n]` from a fresh cache.
 fn logits_of(m: &Qwen3, tokens: &[u32], n: usize) -> Vec<f32> {
     let positions: Vec<u32> = (0..n as u32).collect();

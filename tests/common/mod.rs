@@ -596,3 +596,20 @@ pub fn sched_request<'a>(
         }),
     }
 }
+
+/// `convert --synthetic 0.6b --outtype OUTTYPE` into `dir`.
+pub fn synthetic_0_6b_as(dir: &std::path::Path, outtype: &str) -> std::path::PathBuf {
+    let out = dir.join(format!("syn-{outtype}.gguf"));
+    let o = run(&[
+        "convert",
+        "--synthetic",
+        "0.6b",
+        "--outtype",
+        outtype,
+        "-o",
+        out.to_str().unwrap(),
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    out
+}

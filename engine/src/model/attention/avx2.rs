@@ -59,24 +59,9 @@ pub(super) unsafe fn scores(
             // keys of `hd` values, as each arm's `QN` and `KN` ask.
             unsafe {
                 match qn {
-                    4 => tile::<4, 2>(
-                        tile_qs,
-                        std::array::from_fn(|i| key(t + i)),
-                        scale,
-                        &mut put_tile,
-                    ),
-                    2 => tile::<2, 4>(
-                        tile_qs,
-                        std::array::from_fn(|i| key(t + i)),
-                        scale,
-                        &mut put_tile,
-                    ),
-                    _ => tile::<1, 8>(
-                        tile_qs,
-                        std::array::from_fn(|i| key(t + i)),
-                        scale,
-                        &mut put_tile,
-                    ),
+                    4 => tile::<4, 2>(tile_qs, |j| key(t + j), scale, &mut put_tile),
+                    2 => tile::<2, 4>(tile_qs, |j| key(t + j), scale, &mut put_tile),
+                    _ => tile::<1, 8>(tile_qs, |j| key(t + j), scale, &mut put_tile),
                 }
             }
             t += kn;
@@ -89,8 +74,8 @@ pub(super) unsafe fn scores(
     }
 }
 
-/// One tile of [`scores`]: `QN` queries by `KN` keys (`QN * KN == 8`), `put(i, score)` for
-/// query `i / KN` and key `i % KN`.
+/// One tile of [`scores`]: `QN` queries by `KN` keys (`key(j)`, `QN * KN == 8`), `put(i,
+/// score)` for query `i / KN` and key `i % KN`.
 ///
 /// # Safety
 ///
@@ -98,13 +83,14 @@ pub(super) unsafe fn scores(
 /// length of each key (the first `hd / 8 * 8` are read unchecked).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile<const QN: usize, const KN: usize>(
+unsafe fn tile<'k, const QN: usize, const KN: usize>(
     qs: &[&[f32]],
-    ks: [&[f32]; KN],
+    key: impl Fn(usize) -> &'k [f32],
     scale: f32,
     put: &mut impl FnMut(usize, f32),
 ) {
     debug_assert!(QN * KN == 8 && qs.len() == QN);
+    let ks: [&[f32]; KN] = std::array::from_fn(key);
     let hd = ks[0].len();
     let n8 = hd / 8 * 8;
     let q: [*const f32; QN] = std::array::from_fn(|i| qs[i].as_ptr());

@@ -200,14 +200,14 @@ impl Block<'_> {
                     // SAFETY: AVX2, FMA (our caller); `out(qi)` is this task's `hd` values of
                     // its query `qi`; `ps(qi)` has `n` values; the local slots index the tile.
                     unsafe { avx2::weighted_sums_all(nq, ps, &LOCAL[..n], buf, hd, out, t0 > 0) };
-                    t0 += n;
-                    continue;
-                }
-                for j in 0..nt {
-                    let ps = |h: usize| &scores[(j * group + h) * stride + t0..][..n];
-                    // SAFETY: AVX2, FMA (our caller) and AVX-512F with `avx512`; `o(j, h)` is
-                    // this task's; `ps(h)` has `n` values; the local slots index the tile.
-                    unsafe { self.weighted(avx512, ps, &LOCAL[..n], buf, |h| o(j, h), t0 > 0) };
+                } else {
+                    for j in 0..nt {
+                        let ps = |h: usize| &scores[(j * group + h) * stride + t0..][..n];
+                        // SAFETY: AVX2, FMA (our caller) and AVX-512F (`avx512`); `o(j, h)`
+                        // is this task's; `ps(h)` has `n` values; the local slots index the
+                        // tile.
+                        unsafe { self.weighted(avx512, ps, &LOCAL[..n], buf, |h| o(j, h), t0 > 0) };
+                    }
                 }
                 t0 += n;
             }
