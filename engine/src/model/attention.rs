@@ -61,9 +61,14 @@ unsafe fn axpy_avx2(o: &mut [f32], p: f32, v: &[f32]) {
 }
 
 /// Most (token, head) queries one task's fast path handles (8 tokens of up to 16 heads per KV
-/// head on AVX-512, up to 32 of 64 on AVX2: [`block_tokens`]); beyond, the portable loop runs.
+/// head on AVX-512, up to 32 tokens of [`AVX2_BLOCK_QUERIES`] on AVX2: [`block_tokens`]);
+/// beyond, the portable loop runs.
 #[cfg(target_arch = "x86_64")]
 const MAX_QUERIES: usize = 128;
+
+/// Most queries of an AVX2 block ([`block_tokens`]).
+#[cfg(target_arch = "x86_64")]
+const AVX2_BLOCK_QUERIES: usize = 64;
 
 /// Queries whose dot products with one key run side by side in [`dots_avx2`].
 #[cfg(target_arch = "x86_64")]
@@ -346,7 +351,7 @@ fn check_sight(q: &[f32], cache: &KvCache, visible: &[Visible<'_>], heads: Heads
 fn block_tokens(group: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() && !has_avx512() {
-        return (64 / group.max(1)).clamp(1, 32);
+        return (AVX2_BLOCK_QUERIES / group.max(1)).clamp(1, 32);
     }
     let _ = group;
     8

@@ -15,10 +15,14 @@ use std::arch::x86_64::*;
 use super::tiles::{
     Packed, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q5K_FIFTH_BITS, Q6K_D, Q6K_SCALES, Q8_0_D,
 };
-use super::{prefetch_part, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
+use super::{prefetch_part_at, prefetch_tiles, PackedMatrix, Q8K, QK, ROWS_PER_UNIT};
 
 /// Activation rows per pass over a run's tiles (16 registers: 4 rows x 2 halves of sums).
 const TILE_MT: usize = 4;
+
+/// The most bytes of a run's tiles that a pass after the first reads without prefetching:
+/// half the L2 of the AVX2 CPUs with the smallest (256 KiB: Haswell to Comet Lake).
+const NEAR_RUN_BYTES: usize = 128 << 10;
 
 // The helpers and kernels below are `inline(always)` without target features of their own:
 // they are compiled into `run_avx2` or `run_vnni`, with those entry points' features.
@@ -70,16 +74,18 @@ unsafe fn q6k_values(tile: *const u8, c: usize, h: usize) -> [__m256i; 4] {
     // `h`: 32 bytes inside it, 32-byte aligned (the caller).
     unsafe {
         let nib = _mm256_set1_epi8(0x0f);
-        let two = _mm256_set1_epi8(0x03);
+        let top_bits = _mm256_set1_epi8(0x30);
         let load = |l: usize| _mm256_load_si256(tile.add(64 * l + 32 * h) as *const _);
         let (l0, l1, hb) = (load(2 * c), load(2 * c + 1), load(32 + c));
+        // Bits 2j, 2j + 1 of each byte moved to bits 4, 5 (16-bit shifts: what crosses a
+        // byte boundary lands outside the mask).
         let top = [
+            _mm256_slli_epi16::<4>(hb),
+            _mm256_slli_epi16::<2>(hb),
             hb,
             _mm256_srli_epi16::<2>(hb),
-            _mm256_srli_epi16::<4>(hb),
-            _mm256_srli_epi16::<6>(hb),
         ]
-        .map(|v| _mm256_slli_epi16::<4>(_mm256_and_si256(v, two)));
+        .map(|v| _mm256_and_si256(v, top_bits));
         [
             _mm256_or_si256(_mm256_and_si256(l0, nib), top[0]),
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l0), nib), top[1]),
@@ -206,21 +212,30 @@ unsafe fn run_body<const VNNI: bool>(
         let valid = (w.rows - r0).min(ROWS_PER_UNIT);
         let tiles = w.run_tiles(run);
         let tile_bytes = w.kind.tile_bytes();
+        // Only the first pass over a run's tiles fetches them when they fit `NEAR_RUN_BYTES`
+        // (the later passes find them in L2); a longer run's every pass prefetches.
+        let near = kb * tile_bytes <= NEAR_RUN_BYTES;
         let mut t0 = 0;
         while t0 < m {
             let mt = (m - t0).min(TILE_MT);
             let a = &acts[t0 * kb..(t0 + mt) * kb];
             let mut res = [[_mm256_setzero_ps(); 2]; TILE_MT];
+            let pf = if t0 == 0 || !near {
+                prefetch_tiles()
+            } else {
+                0
+            };
             macro_rules! kernel {
             ($($n:literal)*) => {
                 match (w.kind, mt) {
                     $((Packed::Q4K, $n) =>
-                        packed_q4k::<$n, VNNI, false>(tiles, tile_bytes, a, kb, &mut res),
+                        packed_q4k::<$n, VNNI, false>(tiles, tile_bytes, a, kb, &mut res, pf),
                       (Packed::Q5K, $n) =>
-                        packed_q4k::<$n, VNNI, true>(tiles, tile_bytes, a, kb, &mut res),
+                        packed_q4k::<$n, VNNI, true>(tiles, tile_bytes, a, kb, &mut res, pf),
                       (Packed::Q6K, $n) =>
-                        packed_q6k::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),
-                      (Packed::Q8_0, $n) => packed_q8_0::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res),)*
+                        packed_q6k::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res, pf),
+                      (Packed::Q8_0, $n) =>
+                        packed_q8_0::<$n, VNNI>(tiles, tile_bytes, a, kb, &mut res, pf),)*
                     _ => unreachable!("mt is 1..=TILE_MT"),
                 }
             };
@@ -268,8 +283,46 @@ unsafe fn fifth_bit(hb: __m256i, e: usize) -> __m256i {
     }
 }
 
+/// A Q4_K (or Q5_K) block's end for `N` activation rows: the minimums taken off each half's
+/// accumulator (`dmin` times each sub-block's minimum times the row's sum of it), then the
+/// accumulator times the row's scale added into `res`.
+///
+/// # Safety
+///
+/// The CPU has AVX2, FMA and F16C; `tile` is a whole Q4_K or Q5_K tile; `acts` holds at least
+/// `N * kb` blocks (indexed, checked).
+#[inline(always)]
+unsafe fn q4k_block_end<const N: usize>(
+    tile: *const u8,
+    acts: &[Q8K],
+    kb: usize,
+    b: usize,
+    acc: &mut [[__m256; 2]; N],
+    res: &mut [[__m256; 2]; TILE_MT],
+) {
+    // SAFETY: the features by the caller; the reads are the tile's fields (`tiles.rs`).
+    unsafe {
+        let dmin = [f16x8(tile, Q4K_DMIN), f16x8(tile, Q4K_DMIN + 16)];
+        for s in 0..8 {
+            for h in 0..2 {
+                let mn = _mm256_mul_ps(bytes8::<false>(tile, Q4K_MINS + 16 * s + 8 * h), dmin[h]);
+                for t in 0..N {
+                    let a = &acts[t * kb + b];
+                    acc[t][h] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a.fsum32[s]), acc[t][h]);
+                }
+            }
+        }
+        for t in 0..N {
+            let ad = _mm256_set1_ps(acts[t * kb + b].d);
+            for h in 0..2 {
+                res[t][h] = _mm256_fmadd_ps(acc[t][h], ad, res[t][h]);
+            }
+        }
+    }
+}
+
 /// 16 packed Q4_K rows (Q5_K when `FIVE`: fifth bits from lines 37..45; two halves of 8)
-/// dotted with `N` activation rows into `res`.
+/// dotted with `N` activation rows into `res`, prefetching `pf` tiles ahead (0: none).
 ///
 /// # Safety
 ///
@@ -283,6 +336,7 @@ unsafe fn packed_q4k<const N: usize, const VNNI: bool, const FIVE: bool>(
     acts: &[Q8K],
     kb: usize,
     res: &mut [[__m256; 2]; TILE_MT],
+    pf: usize,
 ) {
     // SAFETY: the features by the caller; tile `b` is `tile_bytes` bytes inside `tiles`, 32-byte
     // aligned, and every offset read is inside it (the layout's fields, `tiles.rs`); every
@@ -295,10 +349,9 @@ unsafe fn packed_q4k<const N: usize, const VNNI: bool, const FIVE: bool>(
         for b in 0..kb {
             let tile = tiles.as_ptr().add(b * tile_bytes);
             let d = [f16x8(tile, Q4K_D), f16x8(tile, Q4K_D + 16)];
-            let dmin = [f16x8(tile, Q4K_DMIN), f16x8(tile, Q4K_DMIN + 16)];
             let mut acc = [[_mm256_setzero_ps(); 2]; N];
             for c in 0..8 {
-                prefetch_part(tile, tile_bytes, c, 8);
+                prefetch_part_at(pf, tile, tile_bytes, c, 8);
                 let mut isum = [[_mm256_setzero_si256(); 2]; N];
                 for h in 0..2 {
                     let hb = if FIVE {
@@ -339,29 +392,15 @@ unsafe fn packed_q4k<const N: usize, const VNNI: bool, const FIVE: bool>(
                     }
                 }
             }
-            for s in 0..8 {
-                for h in 0..2 {
-                    let mn =
-                        _mm256_mul_ps(bytes8::<false>(tile, Q4K_MINS + 16 * s + 8 * h), dmin[h]);
-                    for t in 0..N {
-                        let a = &acts[t * kb + b];
-                        acc[t][h] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a.fsum32[s]), acc[t][h]);
-                    }
-                }
-            }
-            for t in 0..N {
-                let ad = _mm256_set1_ps(acts[t * kb + b].d);
-                for h in 0..2 {
-                    res[t][h] = _mm256_fmadd_ps(acc[t][h], ad, res[t][h]);
-                }
-            }
+            q4k_block_end(tile, acts, kb, b, &mut acc, res);
         }
     }
 }
 
-/// 16 packed Q8_0 rows (two halves of 8) dotted with `N` activation rows into `res`. The
-/// weights are signed: `|w|` times the activation with `w`'s sign (`vpsignb`), at most
-/// 2 x 128 x 127 per i16 pair without VNNI, widened each time.
+/// 16 packed Q8_0 rows (two halves of 8) dotted with `N` activation rows into `res`,
+/// prefetching `pf` tiles ahead (0: none). The weights are signed: `|w|` times the activation
+/// with `w`'s sign (`vpsignb`), at most 2 x 128 x 127 per i16 pair without VNNI, widened each
+/// time.
 ///
 /// # Safety
 ///
@@ -375,6 +414,7 @@ unsafe fn packed_q8_0<const N: usize, const VNNI: bool>(
     acts: &[Q8K],
     kb: usize,
     res: &mut [[__m256; 2]; TILE_MT],
+    pf: usize,
 ) {
     // SAFETY: the features by the caller; tile `b` is `tile_bytes` bytes inside `tiles`, 32-byte
     // aligned, and every offset read is inside it (the layout's fields, `tiles.rs`); every
@@ -385,7 +425,7 @@ unsafe fn packed_q8_0<const N: usize, const VNNI: bool>(
             let tile = tiles.as_ptr().add(b * tile_bytes);
             let mut acc = [[_mm256_setzero_ps(); 2]; N];
             for c in 0..8 {
-                prefetch_part(tile, tile_bytes, c, 8);
+                prefetch_part_at(pf, tile, tile_bytes, c, 8);
                 for h in 0..2 {
                     let mut isum = [_mm256_setzero_si256(); N];
                     for p in 8 * c..8 * c + 8 {
@@ -419,7 +459,8 @@ unsafe fn packed_q8_0<const N: usize, const VNNI: bool>(
     }
 }
 
-/// 16 packed Q6_K rows (two halves of 8) dotted with `N` activation rows into `res`.
+/// 16 packed Q6_K rows (two halves of 8) dotted with `N` activation rows into `res`,
+/// prefetching `pf` tiles ahead (0: none).
 ///
 /// # Safety
 ///
@@ -433,6 +474,7 @@ unsafe fn packed_q6k<const N: usize, const VNNI: bool>(
     acts: &[Q8K],
     kb: usize,
     res: &mut [[__m256; 2]; TILE_MT],
+    pf: usize,
 ) {
     // SAFETY: the features by the caller; tile `b` is `tile_bytes` bytes inside `tiles`, 32-byte
     // aligned, and every offset read is inside it (the layout's fields, `tiles.rs`); every
@@ -443,7 +485,7 @@ unsafe fn packed_q6k<const N: usize, const VNNI: bool>(
             let d = [f16x8(tile, Q6K_D), f16x8(tile, Q6K_D + 16)];
             let mut acc = [[_mm256_setzero_ps(); 2]; N];
             for c in 0..16 {
-                prefetch_part(tile, tile_bytes, c, 16);
+                prefetch_part_at(pf, tile, tile_bytes, c, 16);
                 for h in 0..2 {
                     let w = q6k_values(tile, c, h);
                     let sc = _mm256_mul_ps(bytes8::<true>(tile, Q6K_SCALES + 16 * c + 8 * h), d[h]);
