@@ -61,8 +61,8 @@ unsafe fn axpy_avx2(o: &mut [f32], p: f32, v: &[f32]) {
 }
 
 /// Most (token, head) queries one task's fast path handles (8 tokens of up to 16 heads per KV
-/// head on AVX-512, up to 32 tokens of [`AVX2_BLOCK_QUERIES`] on AVX2: [`block_tokens`]);
-/// beyond, the portable loop runs.
+/// head on AVX-512; on AVX2 up to 32 tokens, at most [`AVX2_BLOCK_QUERIES`] queries:
+/// [`block_tokens`]); beyond, the portable loop runs.
 #[cfg(target_arch = "x86_64")]
 const MAX_QUERIES: usize = 128;
 

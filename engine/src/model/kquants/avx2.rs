@@ -213,7 +213,8 @@ unsafe fn run_body<const VNNI: bool>(
         let tiles = w.run_tiles(run);
         let tile_bytes = w.kind.tile_bytes();
         // Only the first pass over a run's tiles fetches them when they fit `NEAR_RUN_BYTES`
-        // (the later passes find them in L2); a longer run's every pass prefetches.
+        // (the later passes find them in L2, and the next run's first tiles are asked for by
+        // that first pass, early); a longer run's every pass prefetches.
         let near = kb * tile_bytes <= NEAR_RUN_BYTES;
         let mut t0 = 0;
         while t0 < m {
