@@ -117,6 +117,8 @@ fn rounds_give_a_range_and_are_refused_where_they_mean_nothing() {
         r["tokens_per_s_high"].as_f64().unwrap(),
     );
     assert!(lo <= mid && mid <= hi && lo > 0.0, "{r}");
+    // The caches that size the kernels' blocking are named with the kernels.
+    assert!(r["caches"].as_str().is_some_and(|c| !c.is_empty()), "{r}");
     let o = run(&["bench", "-m", m, "--decode", "--rounds", "2"]);
     assert_fails_with(&o, &["--decode", "--rounds"]);
     let o = run(&[

@@ -355,6 +355,7 @@ impl ModelLine {
             "backend": self.backend,
             "threads": self.threads,
             "kernels": self.kernels,
+            "caches": self.caches,
             "test": r.label,
             "prompts": r.prompts,
             "committed": r.committed,

@@ -420,6 +420,8 @@ struct ModelLine {
     backend: String,
     threads: usize,
     kernels: &'static str,
+    /// One core's data caches, which size the kernels' blocking (`L1d 32 KiB, L2 1 MiB, ...`).
+    caches: String,
     /// The KV cache's types (llama-bench's `type_k`, `type_v`).
     types: refusion_engine::kv::KvTypes,
 }
@@ -450,6 +452,7 @@ impl ModelLine {
             backend,
             threads,
             kernels: refusion_engine::model::kquants::path_name(),
+            caches: refusion_engine::model::kquants::caches::caches().describe(),
             types: loaded.cache_types(),
         }
     }
@@ -474,6 +477,7 @@ impl ModelLine {
             "type_v": self.types.v.name(),
             "backend": self.backend,
             "kernels": self.kernels,
+            "caches": self.caches,
             "prefetch_tiles": refusion_engine::model::kquants::prefetch_tiles(),
         })
     }

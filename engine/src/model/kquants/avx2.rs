@@ -12,6 +12,7 @@
 
 use std::arch::x86_64::*;
 
+use super::caches::near_run_bytes;
 use super::tiles::{
     Packed, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q5K_FIFTH_BITS, Q6K_D, Q6K_SCALES, Q8_0_D,
 };
@@ -19,10 +20,6 @@ use super::{prefetch_part_at, prefetch_tiles, PackedMatrix, Q8K, QK, ROWS_PER_UN
 
 /// Activation rows per pass over a run's tiles (16 registers: 4 rows x 2 halves of sums).
 const TILE_MT: usize = 4;
-
-/// The most bytes of a run's tiles that a pass after the first reads without prefetching:
-/// half the L2 of the AVX2 CPUs with the smallest (256 KiB: Haswell to Comet Lake).
-const NEAR_RUN_BYTES: usize = 128 << 10;
 
 // The helpers and kernels below are `inline(always)` without target features of their own:
 // they are compiled into `run_avx2` or `run_vnni`, with those entry points' features.
@@ -212,10 +209,10 @@ unsafe fn run_body<const VNNI: bool>(
         let valid = (w.rows - r0).min(ROWS_PER_UNIT);
         let tiles = w.run_tiles(run);
         let tile_bytes = w.kind.tile_bytes();
-        // Only the first pass over a run's tiles fetches them when they fit `NEAR_RUN_BYTES`
-        // (the later passes find them in L2, and the next run's first tiles are asked for by
-        // that first pass, early); a longer run's every pass prefetches.
-        let near = kb * tile_bytes <= NEAR_RUN_BYTES;
+        // Only the first pass over a run's tiles fetches them when they fit half this CPU's
+        // L2 (`near_run_bytes`: the later passes find them there, and the next run's first
+        // tiles are asked for by that first pass, early); a longer run's every pass prefetches.
+        let near = kb * tile_bytes <= near_run_bytes();
         let mut t0 = 0;
         while t0 < m {
             let mt = (m - t0).min(TILE_MT);

@@ -31,6 +31,7 @@ mod amx;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+pub mod caches;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod scalar;

@@ -246,15 +246,20 @@ fn a_tokens_product_does_not_depend_on_the_batch() {
 }
 
 /// Time of one product per path (`cargo test --release --lib kquants::tests::timing --
-/// --ignored --nocapture`): a 3072x1024 matrix (in the last-level cache) at 1, 2, 8, 16 and
-/// 128 activation rows, every shape and path once per round, interleaved over 7 rounds (a
+/// --ignored --nocapture`): a 3072x1024 matrix (in the last-level cache; `REFUSION_TIMING_SHAPE=
+/// ROWSxK` another, such as an 8B model's `1024x12288` down projection's rows: long activation
+/// rows, 128 of which outgrow an L2) at 1, 2, 8, 16 and 128 activation rows, every shape and path once per round, interleaved over 7 rounds (a
 /// drifting machine moves them alike), the median and range printed; then the instruction
 /// peak the products are set against (`vpdpbusd` on as many threads as the pool has, 16 independent
 /// chains each).
 #[test]
 #[ignore]
 fn timing() {
-    let (rows, k) = (3072, 1024);
+    let (rows, k) = timing_shape();
+    println!(
+        "a {rows}x{k} matrix; caches: {}",
+        caches::caches().describe()
+    );
     const ROUNDS: usize = 7;
     let sizes = [1usize, 2, 8, 16, 128];
     for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
@@ -327,6 +332,19 @@ fn timing() {
                 per_ns * 32.0
             );
         }
+    }
+}
+
+/// The timing test's matrix: `REFUSION_TIMING_SHAPE` (`ROWSxK`, K a multiple of 256), or
+/// 3072x1024.
+fn timing_shape() -> (usize, usize) {
+    let Ok(v) = std::env::var("REFUSION_TIMING_SHAPE") else {
+        return (3072, 1024);
+    };
+    let parse = |s: &str| s.trim().parse::<usize>().ok().filter(|&n| n > 0);
+    match v.split_once('x').map(|(r, k)| (parse(r), parse(k))) {
+        Some((Some(rows), Some(k))) if k % QK == 0 => (rows, k),
+        _ => panic!("REFUSION_TIMING_SHAPE={v}: expected ROWSxK with K a multiple of {QK}"),
     }
 }
 
