@@ -1,14 +1,16 @@
 //! The data caches of the CPU the kernels run on, read once at start, so that blocking is
 //! sized from this machine's caches rather than from constants tuned on another.
 //!
-//! Written by hand: on x86 the two CPUID leaves that describe the caches (Intel's 4, AMD's
-//! 0x8000001D, one format) are a few lines over std's `__cpuid_count`, and work on every OS;
-//! elsewhere Linux's sysfs says the same. The crates that do this (`cache-size`, `raw-cpuid`)
-//! are x86-only, so ARM would need the sysfs reader anyway.
+//! Linux's sysfs first (cpu0's caches: on a hybrid CPU a performance core's, whichever core
+//! asks), then on x86 the two CPUID leaves that describe the caches (Intel's 4, AMD's and
+//! Hygon's 0x8000001D, one format), which work on every OS. Written by hand: both are a few
+//! lines (CPUID over std's `__cpuid_count`), and the crates that do this (`cache-size`,
+//! `raw-cpuid`) are x86-only, so ARM would need the sysfs reader anyway.
 
 use std::sync::OnceLock;
 
-/// One core's data caches, in bytes (0: not reported).
+/// The data caches as one core sees them, in bytes (0: not reported); each cache's whole
+/// size, shared or not (an L3 is shared by many cores, on some ARM chips an L2 too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Caches {
     pub l1d: usize,
@@ -57,15 +59,16 @@ pub fn caches() -> Caches {
 }
 
 fn detect() -> Caches {
+    let sysfs = from_sysfs(std::path::Path::new(SYSFS_CPU0)).unwrap_or_default();
     #[cfg(target_arch = "x86_64")]
-    {
-        let c = from_cpuid();
-        if c.l2 > 0 {
-            return c;
-        }
+    if sysfs.l2 == 0 {
+        return from_cpuid();
     }
-    from_sysfs(std::path::Path::new("/sys/devices/system/cpu/cpu0/cache")).unwrap_or_default()
+    sysfs
 }
+
+/// Where Linux describes cpu0's caches.
+const SYSFS_CPU0: &str = "/sys/devices/system/cpu/cpu0/cache";
 
 /// The data and unified caches CPUID describes: leaf 4 on Intel, 0x8000001D on AMD (with
 /// topology extensions), whose sub-leaves each give one cache's type, level and geometry.
@@ -73,7 +76,12 @@ fn detect() -> Caches {
 fn from_cpuid() -> Caches {
     use std::arch::x86_64::__cpuid_count;
     let mut c = Caches::default();
-    let leaf = if super::cpu_is_amd() {
+    let r = __cpuid_count(0, 0);
+    let mut vendor = [0u8; 12];
+    vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
+    vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
+    vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
+    let leaf = if &vendor == b"AuthenticAMD" || &vendor == b"HygonGenuine" {
         // Leaf 0x80000000: the highest extended leaf; 0x80000001 ECX bit 22: topology
         // extensions, which bring leaf 0x8000001D.
         let max = __cpuid_count(0x8000_0000, 0).eax;
@@ -83,8 +91,8 @@ fn from_cpuid() -> Caches {
         }
         0x8000_001D
     } else {
-        // Leaf 0: the highest standard leaf.
-        if __cpuid_count(0, 0).eax < 4 {
+        // Leaf 0's EAX: the highest standard leaf.
+        if r.eax < 4 {
             return c;
         }
         4
@@ -112,7 +120,9 @@ fn geometry_bytes(ebx: u32, ecx: u32) -> usize {
     let partitions = ((ebx >> 12) & 0x3ff) as usize + 1;
     let line = (ebx & 0xfff) as usize + 1;
     let sets = ecx as usize + 1;
-    ways * partitions * line * sets
+    ways.saturating_mul(partitions)
+        .saturating_mul(line)
+        .saturating_mul(sets)
 }
 
 /// Linux's view of cpu0's caches (`index*/level`, `type`, `size` such as `512K`).
@@ -146,11 +156,11 @@ fn parse_size(s: &str) -> Option<usize> {
         (i, 'G') => (&s[..i], 1 << 30),
         _ => (s, 1),
     };
-    num.parse::<usize>().ok().map(|n| n * mult)
+    num.parse::<usize>().ok().map(|n| n.saturating_mul(mult))
 }
 
 /// The most bytes of a run's tiles that the 256-bit kernels' later passes read without
-/// prefetching ([`super::avx2`]): half of one core's L2, the rest left to the activations and
+/// prefetching (`avx2.rs`): half of one core's L2, the rest left to the activations and
 /// the next run's first tiles. Unknown L2: 128 KiB, half the smallest of AVX2 CPUs (256 KiB:
 /// Haswell to Comet Lake). Bounded to 64 KiB..=2 MiB against a hypervisor's odd report.
 pub fn near_run_bytes() -> usize {
@@ -185,8 +195,8 @@ mod tests {
 
     #[test]
     fn sysfs_tree() {
-        let dir = std::env::temp_dir().join(format!("refusion-caches-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("cache");
         for (i, level, kind, size) in [
             (0, "1", "Data", "32K"),
             (1, "1", "Instruction", "64K"),
@@ -215,19 +225,32 @@ mod tests {
         assert!(from_sysfs(&dir).is_none());
     }
 
-    /// The kernels' bound follows this machine's L2 (CPUID's and Linux's are printed: on a
-    /// hybrid CPU they may differ, CPUID answering for whichever core ran it).
+    /// What this machine reports, through sysfs and through CPUID alike, is a cache hierarchy:
+    /// sizes of real caches, growing level by level (a misread field of CPUID's would give
+    /// sizes off by powers of two or more). The two are not compared: on a hybrid CPU CPUID
+    /// answers for whichever core runs it.
     #[test]
     fn this_cpu() {
-        let c = caches();
-        println!("caches: {}", c.describe());
-        if let Some(s) = from_sysfs(std::path::Path::new("/sys/devices/system/cpu/cpu0/cache")) {
-            println!("sysfs (cpu0): {}", s.describe());
+        let hierarchy = |c: Caches| {
+            let plausible = |b: usize| b == 0 || (4 << 10..=1 << 30).contains(&b);
+            assert!(
+                plausible(c.l1d) && plausible(c.l2) && plausible(c.l3),
+                "{c:?}"
+            );
+            if c.l1d > 0 && c.l2 > 0 {
+                assert!(c.l1d < c.l2, "{c:?}");
+            }
+            if c.l2 > 0 && c.l3 > 0 {
+                assert!(c.l2 <= c.l3, "{c:?}");
+            }
+        };
+        println!("caches: {}", caches().describe());
+        hierarchy(caches());
+        #[cfg(target_arch = "x86_64")]
+        {
+            println!("CPUID: {}", from_cpuid().describe());
+            hierarchy(from_cpuid());
         }
-        let near = near_run_bytes();
-        assert!((64 << 10..=2 << 20).contains(&near));
-        if c.l2 > 0 {
-            assert_eq!(near, (c.l2 / 2).clamp(64 << 10, 2 << 20));
-        }
+        assert!((64 << 10..=2 << 20).contains(&near_run_bytes()));
     }
 }
