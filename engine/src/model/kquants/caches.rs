@@ -76,11 +76,7 @@ const SYSFS_CPU0: &str = "/sys/devices/system/cpu/cpu0/cache";
 fn from_cpuid() -> Caches {
     use std::arch::x86_64::__cpuid_count;
     let mut c = Caches::default();
-    let r = __cpuid_count(0, 0);
-    let mut vendor = [0u8; 12];
-    vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
-    vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
-    vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
+    let vendor = super::cpu_vendor();
     let leaf = if &vendor == b"AuthenticAMD" || &vendor == b"HygonGenuine" {
         // Leaf 0x80000000: the highest extended leaf; 0x80000001 ECX bit 22: topology
         // extensions, which bring leaf 0x8000001D.
@@ -92,7 +88,7 @@ fn from_cpuid() -> Caches {
         0x8000_001D
     } else {
         // Leaf 0's EAX: the highest standard leaf.
-        if r.eax < 4 {
+        if __cpuid_count(0, 0).eax < 4 {
             return c;
         }
         4

@@ -139,15 +139,21 @@ pub fn prefetch_tiles() -> usize {
     0
 }
 
-/// Whether the CPU's vendor string is AMD's.
+/// The CPU's vendor string (CPUID leaf 0: `GenuineIntel`, `AuthenticAMD`, ...).
 #[cfg(target_arch = "x86_64")]
-fn cpu_is_amd() -> bool {
+fn cpu_vendor() -> [u8; 12] {
     let r = std::arch::x86_64::__cpuid(0);
     let mut v = [0u8; 12];
     v[..4].copy_from_slice(&r.ebx.to_le_bytes());
     v[4..8].copy_from_slice(&r.edx.to_le_bytes());
     v[8..].copy_from_slice(&r.ecx.to_le_bytes());
-    &v == b"AuthenticAMD"
+    v
+}
+
+/// Whether the CPU's vendor string is AMD's.
+#[cfg(target_arch = "x86_64")]
+fn cpu_is_amd() -> bool {
+    &cpu_vendor() == b"AuthenticAMD"
 }
 
 /// How far ahead tiles are prefetched by default (x86 other than AMD, and NEON).

@@ -246,12 +246,12 @@ fn a_tokens_product_does_not_depend_on_the_batch() {
 }
 
 /// Time of one product per path (`cargo test --release --lib kquants::tests::timing --
-/// --ignored --nocapture`): a 3072x1024 matrix (in the last-level cache; `REFUSION_TIMING_SHAPE=
-/// ROWSxK` another, such as an 8B model's `1024x12288` down projection's rows: long activation
-/// rows, 128 of which outgrow an L2) at 1, 2, 8, 16 and 128 activation rows, every shape and path once per round, interleaved over 7 rounds (a
-/// drifting machine moves them alike), the median and range printed; then the instruction
-/// peak the products are set against (`vpdpbusd` on as many threads as the pool has, 16 independent
-/// chains each).
+/// --ignored --nocapture`): a 3072x1024 matrix (in the last-level cache;
+/// `REFUSION_TIMING_SHAPE=ROWSxK` another, such as `1024x12288`, an 8B model's down projection's
+/// long rows, 128 of which outgrow an L2) at 1, 2, 8, 16 and 128 activation rows, every shape
+/// and path once per round, interleaved over 7 rounds (a drifting machine moves them alike),
+/// the median and range printed; then the instruction peaks the products are set against
+/// (`vpdpbusd`, and AVX2's `vpmaddubsw` with its add, on as many threads as the pool has).
 #[test]
 #[ignore]
 fn timing() {
