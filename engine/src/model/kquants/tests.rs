@@ -36,18 +36,23 @@ fn check(ty: GgmlType, rows: usize, k: usize, m: usize) {
     let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed) * 3.0).collect();
     let mut data = vec![0u8; rows * k / QK * Packed::of(ty).unwrap().block_bytes()];
     quant::quantize(ty, &wf, k, &mut data);
+    check_data(ty, rows, k, m, &data, &x);
+}
+
+/// [`check`] of the file's bytes `data` (`rows x k` of `ty`) against activations `x`.
+fn check_data(ty: GgmlType, rows: usize, k: usize, m: usize, data: &[u8], x: &[f32]) {
     let mut wd = vec![0f32; rows * k];
-    assert!(quant::dequantize(ty, &data, &mut wd));
+    assert!(quant::dequantize(ty, data, &mut wd));
     let mut acts = Vec::new();
-    quantize_rows(&x, k, &mut acts);
+    quantize_rows(x, k, &mut acts);
     let xd = dequantized_acts(&acts);
-    let w = PackedMatrix::pack(ty, rows, k, &data);
+    let w = PackedMatrix::pack(ty, rows, k, data);
     let mut first: Option<(CpuPath, Vec<f32>)> = None;
     for path in paths() {
         // NaN past the end: nothing may be written there (the padded last run).
         let mut buf = vec![f32::NAN; m * rows + 16];
         let (out, beyond) = buf.split_at_mut(m * rows);
-        matmul_on(path, &[&w], &x, m, &mut [&mut out[..]]);
+        matmul_on(path, &[&w], x, m, &mut [&mut out[..]]);
         assert!(
             beyond.iter().all(|v| v.is_nan()),
             "{path:?} wrote past the output"
@@ -124,6 +129,39 @@ fn every_type_matches_the_dequantized_product() {
             check(ty, 37, 512, m);
         }
         check(ty, 16, 2048, 4);
+    }
+}
+
+/// Q6_K at its extremes: every value 0 or every value 63 (stored; -32 and 31 after the
+/// offset), with the largest scales of either sign, against activations of +-127 and of
+/// alternating sign: the kernels' integer sums at their largest (AVX2's i16 pair sums, the
+/// offset's start), where a sum that wrapped or saturated would show.
+#[test]
+fn q6k_extremes_match_the_dequantized_product() {
+    if !available() {
+        return;
+    }
+    // A Q6_K block: 128 bytes of low bits, 64 of top bits, 16 i8 scales, f16 d.
+    let block = |q: u8, scale: i8| {
+        let mut b = vec![if q & 15 == 15 { 0xff } else { 0 }; 128];
+        b.extend(vec![if q >> 4 == 3 { 0xff } else { 0 }; 64]);
+        b.extend(vec![scale as u8; 16]);
+        b.extend(half::f16::from_f32(0.01).to_le_bytes());
+        b
+    };
+    let (rows, k, m) = (16, 512, 3);
+    for q in [0, 63] {
+        for scale in [127, -128] {
+            let data: Vec<u8> = (0..rows * k / QK).flat_map(|_| block(q, scale)).collect();
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| match i / k {
+                    0 => 1.0,
+                    1 => -1.0,
+                    _ => [1.0, -1.0][i / 2 % 2],
+                })
+                .collect();
+            check_data(GgmlType::Q6_K, rows, k, m, &data, &x);
+        }
     }
 }
 
