@@ -181,13 +181,12 @@ fn check_every_case_as(
 
 /// Each KV cache type against the goldens (f32's tokens): the share of cases whose every token
 /// is f32's, and of tokens equal at their position, over the cases whose head size the type
-/// takes (the block types need multiples of 32). Printed as the table in benches/README.md
-/// ("KV cache types: accuracy"), with floors that a broken type (rows written or read wrong)
-/// falls far below: random tiny models put near-equal logits side by side, so rounding flips
-/// some choices, and each flip changes the rest of its answer.
-#[test]
-fn kv_types_keep_the_goldens_tokens() {
-    use refusion_engine::kv::KvTypes;
+/// takes (the block types need multiples of 32). Each test prints its row of the table in
+/// benches/README.md ("KV cache types: accuracy"), with floors that a broken type (rows written
+/// or read wrong) falls far below: random tiny models put near-equal logits side by side, so
+/// rounding flips some choices, and each flip changes the rest of its answer. One test per type,
+/// so that the harness runs them side by side (six decodes of every case took CI a minute).
+fn check_kv_types(types: refusion_engine::kv::KvTypes, floor: f64) {
     use refusion_engine::model::Forward;
     let text = std::fs::read_to_string(fixtures().join(PUBLIC.file)).unwrap();
     let goldens: Value = serde_json::from_str(&text).unwrap();
@@ -211,53 +210,73 @@ fn kv_types_keep_the_goldens_tokens() {
             models.insert(name.to_string(), Qwen3::load_offloaded(file, None).unwrap());
         }
     }
-    let same = |t| KvTypes::same(t);
-    let pairs = [
-        (same(CacheType::F16), 0.98),
-        (same(CacheType::Bf16), 0.9),
-        (same(CacheType::Q8_0), 0.9),
-        (
-            KvTypes {
-                k: CacheType::Q8_0,
-                v: CacheType::F16,
-            },
-            0.9,
-        ),
-        (same(CacheType::Q5_0), 0.8),
-        (same(CacheType::Q4_0), 0.7),
-    ];
-    println!("| -ctk / -ctv | cases | same answer | same tokens |");
-    println!("| --- | ---: | ---: | ---: |");
-    for (types, floor) in pairs {
-        let (mut n, mut whole, mut tokens, mut total) = (0, 0, 0, 0);
-        for case in &cases {
-            let model = &models[case["model"].as_str().unwrap()];
-            if types.check_head_dim(model.config().head_dim).is_err() {
-                continue;
-            }
-            let prompt = golden_ids(&case["prompt_ids"]);
-            let p = golden_params(case);
-            let capacity = prompt.len() + 2 * p.padded_gen_length() as usize + 8;
-            let mut cache = model.new_cache(capacity, types, None).unwrap();
-            let r = generate(model, &mut cache, &prompt, &p, &mut |_| {}).unwrap();
-            let want = golden_ids(&case["tokens"]);
-            n += 1;
-            whole += usize::from(r.tokens == want);
-            tokens += r.tokens.iter().zip(&want).filter(|(a, b)| a == b).count();
-            total += want.len().max(r.tokens.len());
+    let (mut n, mut whole, mut tokens, mut total) = (0, 0, 0, 0);
+    for case in &cases {
+        let model = &models[case["model"].as_str().unwrap()];
+        if types.check_head_dim(model.config().head_dim).is_err() {
+            continue;
         }
-        let share = tokens as f64 / total.max(1) as f64;
-        println!(
-            "| {} / {} | {n} | {:.1}% | {:.1}% |",
-            types.k.name(),
-            types.v.name(),
-            100.0 * whole as f64 / n as f64,
-            100.0 * share
-        );
-        assert!(n > 0, "{types}: no case takes it");
-        assert!(
-            share >= floor,
-            "{types}: {share:.3} of the tokens are f32's"
-        );
+        let prompt = golden_ids(&case["prompt_ids"]);
+        let p = golden_params(case);
+        let capacity = prompt.len() + 2 * p.padded_gen_length() as usize + 8;
+        let mut cache = model.new_cache(capacity, types, None).unwrap();
+        let r = generate(model, &mut cache, &prompt, &p, &mut |_| {}).unwrap();
+        let want = golden_ids(&case["tokens"]);
+        n += 1;
+        whole += usize::from(r.tokens == want);
+        tokens += r.tokens.iter().zip(&want).filter(|(a, b)| a == b).count();
+        total += want.len().max(r.tokens.len());
     }
+    let share = tokens as f64 / total.max(1) as f64;
+    // | -ctk / -ctv | cases | same answer | same tokens |
+    println!(
+        "| {} / {} | {n} | {:.1}% | {:.1}% |",
+        types.k.name(),
+        types.v.name(),
+        100.0 * whole as f64 / n as f64,
+        100.0 * share
+    );
+    assert!(n > 0, "{types}: no case takes it");
+    assert!(
+        share >= floor,
+        "{types}: {share:.3} of the tokens are f32's"
+    );
+}
+
+fn same_kv(t: CacheType) -> refusion_engine::kv::KvTypes {
+    refusion_engine::kv::KvTypes::same(t)
+}
+
+#[test]
+fn kv_types_f16_keep_the_goldens_tokens() {
+    check_kv_types(same_kv(CacheType::F16), 0.98);
+}
+
+#[test]
+fn kv_types_bf16_keep_the_goldens_tokens() {
+    check_kv_types(same_kv(CacheType::Bf16), 0.9);
+}
+
+#[test]
+fn kv_types_q8_0_keep_the_goldens_tokens() {
+    check_kv_types(same_kv(CacheType::Q8_0), 0.9);
+}
+
+#[test]
+fn kv_types_q8_0_keys_f16_values_keep_the_goldens_tokens() {
+    let types = refusion_engine::kv::KvTypes {
+        k: CacheType::Q8_0,
+        v: CacheType::F16,
+    };
+    check_kv_types(types, 0.9);
+}
+
+#[test]
+fn kv_types_q5_0_keep_the_goldens_tokens() {
+    check_kv_types(same_kv(CacheType::Q5_0), 0.8);
+}
+
+#[test]
+fn kv_types_q4_0_keep_the_goldens_tokens() {
+    check_kv_types(same_kv(CacheType::Q4_0), 0.7);
 }
