@@ -21,6 +21,10 @@ pub struct Q8K {
     /// Minus 32 times the sum of each stored 16-value chunk: where Q6_K's integer sums start,
     /// which takes its values' offset of 32 off exactly.
     pub(super) q6k_start: [i32; QK / 16],
+    /// The same per i16 lane, for the AVX2 Q6_K kernel's sums (two i16 in each i32, as
+    /// `vpmaddubsw` pairs them): minus 32 times the chunk's values 0, 1 of each four (low
+    /// half) and 2, 3 (high half). Each is at most 32 x 8 x 127 = 32512 in magnitude.
+    pub(super) q6k_lanes: [i32; QK / 16],
     /// Minus 128 times the sum of each stored 32-value chunk: where the AVX-512 Q8_0 kernel's
     /// integer sums start, which takes the weights' offset of 128 off exactly.
     pub(super) q8_0_start: [i32; QK / 32],
@@ -33,6 +37,7 @@ impl Q8K {
         bsums: [0; QK / 16],
         fsum32: [0.0; QK / 32],
         q6k_start: [0; QK / 16],
+        q6k_lanes: [0; QK / 16],
         q8_0_start: [0; QK / 32],
         d: 0.0,
     };
@@ -95,6 +100,12 @@ fn finish(out: &mut Q8K, iscale: f32) {
     }
     for (s, &b) in out.bsums.iter().enumerate() {
         out.q6k_start[stored_at(16 * s) / 16] = -32 * b as i32;
+    }
+    for (lanes, q) in out.q6k_lanes.iter_mut().zip(out.qs.chunks_exact(16)) {
+        let pair = |j: usize| -> i32 { (0..4).map(|i| q[4 * i + j] as i32).sum() };
+        let lo = (-32 * (pair(0) + pair(1))) as i16 as u16 as u32;
+        let hi = (-32 * (pair(2) + pair(3))) as i16 as u16 as u32;
+        *lanes = (lo | hi << 16) as i32;
     }
     for c in 0..QK / 32 {
         out.q8_0_start[c] = -128 * out.fsum32[stored_at(32 * c) / 32] as i32;
@@ -254,6 +265,7 @@ mod x86 {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&a.fsum32), bits(&b.fsum32));
             assert_eq!(a.q6k_start, b.q6k_start);
+            assert_eq!(a.q6k_lanes, b.q6k_lanes);
             assert_eq!(a.q8_0_start, b.q8_0_start);
             assert_eq!(a.d.to_bits(), b.d.to_bits());
         }

@@ -4,7 +4,8 @@
 //! two halves of 8 rows. `vpdpbusd` (VNNI) multiplies u8 weights by i8 activations and adds
 //! each 4 into an i32; plain AVX2 adds pairs into i16 lanes with `vpmaddubsw` (no saturation:
 //! weights are at most 63, activations at most 127 in magnitude), sums up to 8 of those (Q4_K)
-//! or 2 (Q6_K) before widening them with `vpmaddwd`. The integer sums are exact, so every path
+//! or 2 (Q6_K; in a wide product all 4 of a chunk, from a start that takes the values' offset
+//! off) before widening them with `vpmaddwd`. The integer sums are exact, so every path
 //! gives the same results to the bit.
 
 // The kernels index several register arrays (sums, accumulators, halves) by the same counters.
@@ -20,6 +21,10 @@ use super::{prefetch_part_at, prefetch_tiles, PackedMatrix, Q8K, QK, ROWS_PER_UN
 
 /// Activation rows per pass over a run's tiles (16 registers: 4 rows x 2 halves of sums).
 const TILE_MT: usize = 4;
+
+/// Activation rows per pass of the wide Q6_K kernel over one half of a run's tiles (8
+/// registers of sums; 6 was slower on Zen 3, 8 rows of two halves would not fit).
+const Q6K_HALF_MT: usize = 8;
 
 // The helpers and kernels below are `inline(always)` without target features of their own:
 // they are compiled into `run_avx2` or `run_vnni`, with those entry points' features.
@@ -213,6 +218,13 @@ unsafe fn run_body<const VNNI: bool>(
         // L2 (`near_run_bytes`: the later passes find them there, and the next run's first
         // tiles are asked for by that first pass, early); a longer run's every pass prefetches.
         let near = kb * tile_bytes <= near_run_bytes();
+        // A wide Q6_K product goes one half of the tiles at a time, for more activation rows a
+        // pass: its unpacking (three loads and 17 operations per chunk and half, against
+        // Q4_K's 3 per two products) is shared by up to 8 rows instead of 4.
+        if w.kind == Packed::Q6K && m > TILE_MT {
+            q6k_by_halves::<VNNI>(w, acts, m, run, out, near);
+            return;
+        }
         let mut t0 = 0;
         while t0 < m {
             let mt = (m - t0).min(TILE_MT);
@@ -507,6 +519,118 @@ unsafe fn packed_q6k<const N: usize, const VNNI: bool>(
                 for h in 0..2 {
                     res[t][h] = _mm256_fmadd_ps(acc[t][h], ad, res[t][h]);
                 }
+            }
+        }
+    }
+}
+
+/// A Q6_K run against `m` activation rows in passes of up to [`Q6K_HALF_MT`] rows, each pass
+/// over one half (8 weight rows) of the tiles at a time.
+///
+/// # Safety
+///
+/// As [`run_body`].
+#[inline(always)]
+unsafe fn q6k_by_halves<const VNNI: bool>(
+    w: &PackedMatrix,
+    acts: &[Q8K],
+    m: usize,
+    run: usize,
+    out: &mut [f32],
+    near: bool,
+) {
+    // SAFETY: as in `run_body`: the run's whole tiles, `mt * kb` blocks of activations, and
+    // stores of row `t0 + t`'s values `r0 + 8h..` inside `out`'s `m * w.rows`.
+    unsafe {
+        let kb = w.k / QK;
+        let r0 = run * ROWS_PER_UNIT;
+        let valid = (w.rows - r0).min(ROWS_PER_UNIT);
+        let tiles = w.run_tiles(run);
+        let tile_bytes = w.kind.tile_bytes();
+        let mut t0 = 0;
+        while t0 < m {
+            let mt = (m - t0).min(Q6K_HALF_MT);
+            let a = &acts[t0 * kb..(t0 + mt) * kb];
+            for h in 0..2 {
+                let pf = if h == 0 && (t0 == 0 || !near) {
+                    prefetch_tiles()
+                } else {
+                    0
+                };
+                let mut res = [_mm256_setzero_ps(); Q6K_HALF_MT];
+                macro_rules! kernel {
+                    ($($n:literal)*) => {
+                        match mt {
+                            $($n => packed_q6k_half::<$n, VNNI>(
+                                tiles, tile_bytes, a, kb, h, &mut res, pf),)*
+                            _ => unreachable!("mt is 1..=Q6K_HALF_MT"),
+                        }
+                    };
+                }
+                kernel!(1 2 3 4 5 6 7 8);
+                let lo = 8 * h;
+                let n = valid.saturating_sub(lo).min(8);
+                for (t, v) in res[..mt].iter().enumerate() {
+                    let o = out.as_mut_ptr().add((t0 + t) * w.rows + r0 + lo);
+                    if n == 8 {
+                        _mm256_storeu_ps(o, *v);
+                    } else if n > 0 {
+                        let mut all = [0f32; 8];
+                        _mm256_storeu_ps(all.as_mut_ptr(), *v);
+                        std::ptr::copy_nonoverlapping(all.as_ptr(), o, n);
+                    }
+                }
+            }
+            t0 += mt;
+        }
+    }
+}
+
+/// Half `h` (8 rows) of 16 packed Q6_K rows dotted with `N` activation rows into `res`: the
+/// same integer sums and float steps, in the same order, as [`packed_q6k`].
+///
+/// # Safety
+///
+/// As [`packed_q6k`], with `N <= Q6K_HALF_MT` and `h < 2`.
+#[inline(always)]
+unsafe fn packed_q6k_half<const N: usize, const VNNI: bool>(
+    tiles: &[u8],
+    tile_bytes: usize,
+    acts: &[Q8K],
+    kb: usize,
+    h: usize,
+    res: &mut [__m256; Q6K_HALF_MT],
+    pf: usize,
+) {
+    // SAFETY: as in `packed_q6k`.
+    unsafe {
+        for b in 0..kb {
+            let tile = tiles.as_ptr().add(b * tile_bytes);
+            let d = f16x8(tile, Q6K_D + 16 * h);
+            let mut acc = [_mm256_setzero_ps(); N];
+            for c in 0..16 {
+                prefetch_part_at(pf, tile, tile_bytes, c, 16);
+                let w = q6k_values(tile, c, h);
+                let sc = _mm256_mul_ps(bytes8::<true>(tile, Q6K_SCALES + 16 * c + 8 * h), d);
+                for t in 0..N {
+                    let a = &acts[t * kb + b];
+                    // The sums start at minus 32 times the activations (the values' offset),
+                    // per i32 lane with VNNI, else per i16 lane (`q6k_lanes`): the chunk's four
+                    // `vpmaddubsw` then add up in i16 before one widening, as `vpaddw` wraps
+                    // and only the lane's final sum, at most 8 x 32 x 127 = 32512 in
+                    // magnitude, must fit.
+                    let start = if VNNI { a.q6k_start[c] } else { a.q6k_lanes[c] };
+                    let mut sum = _mm256_set1_epi32(start);
+                    for i in 0..4 {
+                        sum = add_dot::<VNNI>(sum, w[i], bcast(a, 16 * c + 4 * i));
+                    }
+                    let isum = widen::<VNNI>(sum);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc[t]);
+                }
+            }
+            for t in 0..N {
+                let ad = _mm256_set1_ps(acts[t * kb + b].d);
+                res[t] = _mm256_fmadd_ps(acc[t], ad, res[t]);
             }
         }
     }

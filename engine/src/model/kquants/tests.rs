@@ -149,8 +149,9 @@ fn q6k_extremes_match_the_dequantized_product() {
         b.extend(half::f16::from_f32(0.01).to_le_bytes());
         b
     };
-    let (rows, k, m) = (16, 512, 3);
-    for q in [0, 63] {
+    let (rows, k) = (16, 512);
+    // 3 rows: every kernel's narrow passes; 6: AVX2's passes over one half of a tile.
+    for (q, m) in [0, 63].into_iter().flat_map(|q| [(q, 3), (q, 6)]) {
         for scale in [127, -128] {
             let data: Vec<u8> = (0..rows * k / QK).flat_map(|_| block(q, scale)).collect();
             let x: Vec<f32> = (0..m * k)
