@@ -190,7 +190,8 @@ pub(super) unsafe fn run_vnni(
     unsafe { run_body::<true>(w, acts, m, run, out) }
 }
 
-/// The kernels' driver: passes of up to [`TILE_MT`] activation rows over the run's tiles.
+/// The kernels' driver: passes of up to [`TILE_MT`] activation rows over the run's tiles (a
+/// wide Q6_K product: [`q6k_by_halves`]).
 ///
 /// # Safety
 ///
@@ -540,7 +541,8 @@ unsafe fn q6k_by_halves<const VNNI: bool>(
     near: bool,
 ) {
     // SAFETY: as in `run_body`: the run's whole tiles, `mt * kb` blocks of activations, and
-    // stores of row `t0 + t`'s values `r0 + 8h..` inside `out`'s `m * w.rows`.
+    // stores of row `t0 + t`'s values `r0 + 8h..r0 + 8h + n`, `n >= 1` of the run's `valid`
+    // real rows (only the halves that have any are run), inside `out`'s `m * w.rows`.
     unsafe {
         let kb = w.k / QK;
         let r0 = run * ROWS_PER_UNIT;
@@ -551,8 +553,10 @@ unsafe fn q6k_by_halves<const VNNI: bool>(
         while t0 < m {
             let mt = (m - t0).min(Q6K_HALF_MT);
             let a = &acts[t0 * kb..(t0 + mt) * kb];
-            for h in 0..2 {
-                let pf = if h == 0 && (t0 == 0 || !near) {
+            // A padded run of at most 8 real rows skips its second half.
+            for h in 0..valid.div_ceil(8) {
+                // As in `run_body`: a long run's every pass prefetches, a near one's first.
+                let pf = if (h == 0 && t0 == 0) || !near {
                     prefetch_tiles()
                 } else {
                     0
@@ -569,12 +573,12 @@ unsafe fn q6k_by_halves<const VNNI: bool>(
                 }
                 kernel!(1 2 3 4 5 6 7 8);
                 let lo = 8 * h;
-                let n = valid.saturating_sub(lo).min(8);
+                let n = (valid - lo).min(8);
                 for (t, v) in res[..mt].iter().enumerate() {
                     let o = out.as_mut_ptr().add((t0 + t) * w.rows + r0 + lo);
                     if n == 8 {
                         _mm256_storeu_ps(o, *v);
-                    } else if n > 0 {
+                    } else {
                         let mut all = [0f32; 8];
                         _mm256_storeu_ps(all.as_mut_ptr(), *v);
                         std::ptr::copy_nonoverlapping(all.as_ptr(), o, n);
@@ -591,7 +595,7 @@ unsafe fn q6k_by_halves<const VNNI: bool>(
 ///
 /// # Safety
 ///
-/// As [`packed_q6k`], with `N <= Q6K_HALF_MT` and `h < 2`.
+/// As [`packed_q6k`], except `N <= Q6K_HALF_MT` (not `TILE_MT`), and `h < 2`.
 #[inline(always)]
 unsafe fn packed_q6k_half<const N: usize, const VNNI: bool>(
     tiles: &[u8],
@@ -616,9 +620,9 @@ unsafe fn packed_q6k_half<const N: usize, const VNNI: bool>(
                     let a = &acts[t * kb + b];
                     // The sums start at minus 32 times the activations (the values' offset),
                     // per i32 lane with VNNI, else per i16 lane (`q6k_lanes`): the chunk's four
-                    // `vpmaddubsw` then add up in i16 before one widening, as `vpaddw` wraps
-                    // and only the lane's final sum, at most 8 x 32 x 127 = 32512 in
-                    // magnitude, must fit.
+                    // `vpmaddubsw` then add up in i16 before one widening, since every partial
+                    // sum is the products with `w - 32` of the pairs added so far minus 32
+                    // times the rest: 8 terms of at most 32 x 127, within 32512 in magnitude.
                     let start = if VNNI { a.q6k_start[c] } else { a.q6k_lanes[c] };
                     let mut sum = _mm256_set1_epi32(start);
                     for i in 0..4 {

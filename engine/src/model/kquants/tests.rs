@@ -129,6 +129,8 @@ fn every_type_matches_the_dequantized_product() {
             check(ty, 37, 512, m);
         }
         check(ty, 16, 2048, 4);
+        // 45 rows: a last run of 13, whose second half is partly stored (AVX2's wide Q6_K).
+        check(ty, 45, 512, 9);
     }
 }
 
