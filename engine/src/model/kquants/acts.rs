@@ -23,7 +23,8 @@ pub struct Q8K {
     pub(super) q6k_start: [i32; QK / 16],
     /// The same per i16 lane, for the AVX2 Q6_K kernel's sums (two i16 in each i32, as
     /// `vpmaddubsw` pairs them): minus 32 times the chunk's values 0, 1 of each four (low
-    /// half) and 2, 3 (high half). Each is at most 32 x 8 x 127 = 32512 in magnitude.
+    /// half) and 2, 3 (high half). Each is at most 32 x 8 x 127 = 32512 in magnitude. Zero
+    /// off x86, where no kernel reads them.
     pub(super) q6k_lanes: [i32; QK / 16],
     /// Minus 128 times the sum of each stored 32-value chunk: where the AVX-512 Q8_0 kernel's
     /// integer sums start, which takes the weights' offset of 128 off exactly.
@@ -101,6 +102,8 @@ fn finish(out: &mut Q8K, iscale: f32) {
     for (s, &b) in out.bsums.iter().enumerate() {
         out.q6k_start[stored_at(16 * s) / 16] = -32 * b as i32;
     }
+    // Only the x86 AVX2 kernels read them.
+    #[cfg(target_arch = "x86_64")]
     for (lanes, q) in out.q6k_lanes.iter_mut().zip(out.qs.chunks_exact(16)) {
         let pair = |j: usize| -> i32 { (0..4).map(|i| q[4 * i + j] as i32).sum() };
         let lo = (-32 * (pair(0) + pair(1))) as i16 as u16 as u32;
