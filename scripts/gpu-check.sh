@@ -190,8 +190,8 @@ t=$(date +%s)
 log=$out/goldens.log
 if REFUSION_TEST_DEVICE=$device REFUSION_BIN=$bin REFUSION_REPO=$repo \
     timeout "$step_timeout" "$goldens" offloaded --test-threads 1 >"$log" 2>&1 \
-    && grep -q 'test result: ok. 3 passed' "$log"; then
-    add "goldens f32, $device" "111 public cases x 2 offload layouts + 72 trained-model cases" "exact ($(( $(date +%s) - t )) s)" "" ""
+    && grep -q 'test result: ok. 4 passed' "$log"; then
+    add "goldens f32, $device" "111 public cases x 2 offload layouts, again with every plan split (host and device) + 72 trained-model cases" "exact ($(( $(date +%s) - t )) s)" "" ""
 else
     failed=1
     add "goldens f32, $device" "offloaded" "FAILED: $(grep -m1 -E 'cases differ|panicked|test result' "$log")" "" ""

@@ -46,6 +46,23 @@ fn every_public_golden_case_matches_exactly() {
     check_every_case(&PUBLIC, None, None);
 }
 
+/// Every plan of two slots or more split after its last slot's first token (by default only
+/// slots of 16 and more are: the tiny model's cases above), on the host and the tensor path:
+/// the same tokens, TPF and forward count as the reference's unsplit plans.
+#[test]
+fn every_public_golden_case_matches_with_every_plan_split_alone_and_offloaded() {
+    for offload in [
+        None,
+        Some(Offload {
+            device: offload_device(),
+            layers: usize::MAX,
+            output: true,
+        }),
+    ] {
+        check_every_case_as(&PUBLIC, offload, None, Kind::Slots, Some(2));
+    }
+}
+
 #[test]
 fn every_tiny_golden_case_matches_exactly() {
     check_every_case(&TINY, None, None);
@@ -90,25 +107,67 @@ fn every_public_golden_case_matches_with_one_layer_offloaded_and_small_chunks() 
     );
 }
 
+/// Sampled plans split or not give the same tokens: a tail not drafted takes its draws from
+/// the noise all the same, so every later one is where the reference's would be. Every public
+/// case at temperature 0.8, seeded by its index, against itself unsplit (the reference's
+/// forwards, whose sampled decodes the infill goldens pin).
+#[test]
+fn sampled_plans_split_or_not_give_the_same_tokens() {
+    let text = std::fs::read_to_string(fixtures().join(PUBLIC.file)).unwrap();
+    let goldens: Value = serde_json::from_str(&text).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut models = HashMap::new();
+    let (mut split_steps, mut failures) = (0, Vec::new());
+    for (i, case) in goldens["cases"].as_array().unwrap().iter().enumerate() {
+        let name = case["model"].as_str().unwrap();
+        let model = models.entry(name.to_string()).or_insert_with(|| {
+            let out = tmp.path().join(format!("{name}.gguf"));
+            convert_quiet(&model_dir(name), &out, "f32");
+            Qwen3::load_offloaded(Arc::new(GgufFile::open(&out).unwrap()), None).unwrap()
+        });
+        let prompt = golden_ids(&case["prompt_ids"]);
+        let mut p = golden_params(case);
+        (p.temperature, p.seed) = (0.8, i as u64);
+        let capacity = prompt.len() + 2 * p.padded_gen_length() as usize + 8;
+        let mut run = |from: u32| {
+            p.split_plan_from = from;
+            let mut cache = model.new_cache(capacity, CacheType::F32, None).unwrap();
+            generate(model, &mut cache, &prompt, &p, &mut |_| {}).unwrap()
+        };
+        let (whole, split) = (run(0), run(2));
+        split_steps += usize::from(split.forward_tokens < whole.forward_tokens);
+        if (&whole.tokens, whole.tpf, whole.forward_calls)
+            != (&split.tokens, split.tpf, split.forward_calls)
+        {
+            failures.push(case["id"].as_str().unwrap_or("?").to_string());
+        }
+    }
+    assert!(failures.is_empty(), "split plans differ: {failures:?}");
+    // Some decodes skipped a tail (fewer tokens fed): the noise's skip was exercised.
+    assert!(split_steps > 10, "{split_steps} decodes skipped a tail");
+}
+
 /// The infill strategy without a template is one gap of the gen length: slot decoding over
 /// the same slots, the same forwards (the cases whose gen length splits evenly into its
 /// serial blocks: infilling never leaves the reference's unsplit tail out).
 #[test]
 fn every_golden_case_is_also_the_infill_strategy_with_one_gap() {
-    check_every_case_as(&PUBLIC, None, None, Kind::Infill);
-    check_every_case_as(&TINY, None, None, Kind::Infill);
+    check_every_case_as(&PUBLIC, None, None, Kind::Infill, None);
+    check_every_case_as(&TINY, None, None, Kind::Infill, None);
 }
 
 /// Small chunks and attention tiles of 5 shared entries: many tile edges on every case.
 fn check_every_case(set: &Goldens, offload: Option<Offload>, ubatch: Option<usize>) {
-    check_every_case_as(set, offload, ubatch, Kind::Slots)
+    check_every_case_as(set, offload, ubatch, Kind::Slots, None)
 }
 
+/// `split_plan_from`: the slot size from which plans are split (`None`: the default's).
 fn check_every_case_as(
     set: &Goldens,
     offload: Option<Offload>,
     ubatch: Option<usize>,
     strategy: Kind,
+    split_plan_from: Option<u32>,
 ) {
     let text = std::fs::read_to_string(fixtures().join(set.file)).unwrap();
     let goldens: Value = serde_json::from_str(&text).unwrap();
@@ -141,6 +200,9 @@ fn check_every_case_as(
         let prompt = golden_ids(&case["prompt_ids"]);
         let mut p = golden_params(case);
         p.strategy = strategy;
+        if let Some(from) = split_plan_from {
+            p.split_plan_from = from;
+        }
         if strategy == Kind::Infill && p.dropped_tail() != 0 {
             continue;
         }

@@ -69,7 +69,21 @@ fn request<'a>(
 
 #[test]
 fn every_golden_case_is_exact_through_the_scheduler() {
-    check_goldens_scheduled(None, &["pub-a", "pub-b", "pub-c"], &[1, 2, 4, 8]);
+    check_goldens_scheduled(None, &["pub-a", "pub-b", "pub-c"], &[1, 2, 4, 8], None);
+}
+
+/// With every plan of two slots or more split after its last slot's first token: the same
+/// tokens, alone or four at a time, and one at a time the same prompts cached for later
+/// requests (a first plan whose tail follows has not committed its prompt yet). Four at a
+/// time, the tails' extra forwards move when requests start, and what they find cached.
+#[test]
+fn golden_cases_are_exact_through_the_scheduler_with_every_plan_split() {
+    let models = ["pub-a", "pub-b", "pub-c"];
+    let whole = check_goldens_scheduled(None, &models, &[1], None);
+    let split = check_goldens_scheduled(None, &models, &[1], Some(2));
+    assert!(whole.iter().all(|&n| n > 0), "prompts reused: {whole:?}");
+    assert_eq!(split, whole, "prompt tokens reused, split against whole");
+    check_goldens_scheduled(None, &models, &[4], Some(2));
 }
 
 /// Several sequences over device-resident layers (candle's CPU device stands in for a GPU: the
@@ -82,11 +96,26 @@ fn golden_cases_are_exact_through_the_scheduler_with_offloaded_layers() {
             layers,
             output: layers == usize::MAX,
         };
-        check_goldens_scheduled(Some(offload), &["pub-c"], &[4]);
+        check_goldens_scheduled(Some(offload), &["pub-c"], &[4], None);
     }
 }
 
-fn check_goldens_scheduled(offload: Option<Offload>, models: &[&str], limits: &[usize]) {
+/// Every public case of `models` through a scheduler of each parallel limit, with plans split
+/// from `split_plan_from` (`None`: the default): the prompt tokens reused in each round.
+fn check_goldens_scheduled(
+    offload: Option<Offload>,
+    models: &[&str],
+    limits: &[usize],
+    split_plan_from: Option<u32>,
+) -> Vec<u64> {
+    let params = |c: &Value| {
+        let mut p = golden_params(c);
+        if let Some(from) = split_plan_from {
+            p.split_plan_from = from;
+        }
+        p
+    };
+    let mut reused = Vec::new();
     let text = std::fs::read_to_string(fixtures().join("goldens_public.json")).unwrap();
     let goldens: Value = serde_json::from_str(&text).unwrap();
     let cases = goldens["cases"].as_array().unwrap();
@@ -123,13 +152,14 @@ fn check_goldens_scheduled(offload: Option<Offload>, models: &[&str], limits: &[
                 s.submit(request(
                     i,
                     golden_ids(&c["prompt_ids"]),
-                    golden_params(c),
+                    params(c),
                     &results,
                     Arc::new(AtomicBool::new(false)),
                 ));
             }
             s.run_to_end();
             let stats = s.stats();
+            reused.push(stats.prompt_tokens_reused);
             if parallel > 1 {
                 assert!(
                     stats.forwards < mine.iter().map(|c| c["n_forward"].as_u64().unwrap()).sum(),
@@ -152,6 +182,7 @@ fn check_goldens_scheduled(offload: Option<Offload>, models: &[&str], limits: &[
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    reused
 }
 
 /// Prompts from the trained tiny model's chat template: a shared system prompt, several

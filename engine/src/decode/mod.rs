@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use noise::Noise;
 pub use overrides::Overrides;
-pub use params::{shortest_f64, DecodeParams};
+pub use params::{shortest_f64, DecodeParams, SPLIT_PLAN_FROM};
 pub use probs::{argmax, logprob, prob, TokenLogprob, MAX_TOP_LOGPROBS};
 pub use slots::SlotDecoder;
 pub use strategy::{start, Kind, Poll, Strategy};
@@ -42,7 +42,9 @@ use crate::model::Forward;
 /// What happened, for streaming and `--visual`.
 #[derive(Debug, Clone)]
 pub enum Event<'a> {
-    /// The planning forward drafted these slots (start positions) with these tokens.
+    /// The planning forward drafted these slots (start positions) with these tokens, slot
+    /// after slot; they may stop after the last slot's first token (its tail not drafted:
+    /// [`DecodeParams::split_plan_from`]).
     Planned {
         slot_starts: &'a [u32],
         slot_size: usize,
@@ -73,12 +75,13 @@ pub struct DecodeResult {
     pub positions: Vec<u32>,
     /// The reference's tokens-per-forward (mean of per-iteration ratios).
     pub tpf: f64,
-    /// Forward calls actually made (plan, verify, draft, ...).
+    /// The reference's forwards (plan, verify, draft, ...): a plan split in two calls
+    /// ([`DecodeParams::split_plan_from`]) counts as one.
     pub forward_calls: usize,
     /// Tokens fed through the model over all calls.
     pub forward_tokens: usize,
-    /// Tokens fed by each call, in order (all rows together): what a cost curve t(n) turns
-    /// into a time for another model size.
+    /// Tokens fed by each call made, in order (all rows together; a split plan's two calls
+    /// apart): what a cost curve t(n) turns into a time for another model size.
     pub forward_sizes: Vec<u32>,
     /// Index into `tokens` of the first EOS, if any (none for a template: see `filled`).
     pub eos_index: Option<usize>,

@@ -38,6 +38,14 @@ impl Noise {
         ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
     }
 
+    /// Draws and drops `n` uniforms: what [`Self::sample`] over `n` logits takes from the
+    /// stream (a draft skipped keeps every later draw where it was).
+    pub fn skip(&mut self, n: usize) {
+        for _ in 0..n {
+            self.next_u64();
+        }
+    }
+
     /// The index maximising `exp(l) / (-ln u)^T` over `logits`.
     pub fn sample(&mut self, logits: &[f32], temperature: f64) -> usize {
         let mut best = 0;
@@ -73,5 +81,10 @@ mod tests {
         );
         let a: Vec<usize> = (0..5).map(|_| Noise::new(3).sample(&logits, 0.7)).collect();
         assert!(a.windows(2).all(|w| w[0] == w[1]), "same seed, same draw");
+        // A skipped draw leaves the stream where sampling would have.
+        let (mut drawn, mut skipped) = (Noise::new(5), Noise::new(5));
+        drawn.sample(&logits, 0.7);
+        skipped.skip(logits.len());
+        assert_eq!(drawn.uniform(), skipped.uniform());
     }
 }

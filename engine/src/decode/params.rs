@@ -41,7 +41,18 @@ pub struct DecodeParams {
     /// Whether an answer follows (false: OpenAI's `max_tokens: 0` with `echo`, the prompt
     /// scored and nothing decoded).
     pub answer: bool,
+    /// The slot size from which a planning forward leaves the last slot's tail (all but its
+    /// first token) for a second forward, fed only when that slot is chosen; 0: never. The
+    /// tokens are the same either way ([`super::slots`]); [`SPLIT_PLAN_FROM`] by default.
+    pub split_plan_from: u32,
 }
+
+/// Slot sizes from which a planning forward is split ([`DecodeParams::split_plan_from`]).
+/// With long slots the last one is seldom chosen (GSM8K's setting, slots of 32: not chosen in
+/// 23 plans of 25), and its tail is a quarter of a 4-slot block; with short ones a second
+/// forward, one more pass over the weights, costs more than the few tokens it can spare
+/// (benches/README.md).
+pub const SPLIT_PLAN_FROM: u32 = 16;
 
 /// An f32 setting as the f64 its shortest decimal reads (0.6, not 0.6000000238418579): how the
 /// thresholds go into JSON, so that what a front end shows is what the user typed.
@@ -68,6 +79,7 @@ impl DecodeParams {
             logprobs: None,
             score_prompt: false,
             answer: true,
+            split_plan_from: SPLIT_PLAN_FROM,
         }
     }
 

@@ -2,12 +2,18 @@
 //! forwarded next (or that it is done), [`SlotDecoder::feed`] takes their logits back. A
 //! scheduler can thus merge the batches of several decoders into one forward and split the
 //! logits back; driven alone ([`super::generate_cancellable`]) it makes exactly the forwards of
-//! the reference's loop.
+//! the reference's loop, but for a planning forward over long slots, made in two parts.
 //!
 //! One iteration of the reference's `while` loop over a serial block's remaining slots is one
 //! *step*, in phases: plan (draft every remaining slot), verify (the confident slots
 //! autoregressively), and when no slot prefix is accepted, infill (draft and re-verify the
 //! chosen slots as parallel rows, up to `slot_size` rounds).
+//!
+//! With long slots ([`DecodeParams::split_plan_from`]) the plan stops after the last slot's
+//! first token: the slots are chosen from their first tokens alone, and the last slot's other
+//! masks (causal, after every other mask) change no earlier draft. They are forwarded next, on
+//! top of the plan's entries, only when that slot is chosen; the tokens are the reference's
+//! either way, and a tail not chosen (the usual case) spares its `slot_size - 1` masks.
 
 use super::strategy::{Poll, Strategy};
 use super::template::Filled;
@@ -52,6 +58,8 @@ pub(super) struct FirstPlan {
 enum Phase {
     /// Next: the planning forward over the remaining slots (and any prompt not yet cached).
     Plan,
+    /// Next: a split plan's second forward, the last slot's tail (that slot was chosen).
+    PlanTail(Planned),
     /// Next: the verification forward of the chosen slots.
     Verify(Planned),
     /// Next: round `it`'s draft forward (unverified tokens masked).
@@ -277,19 +285,40 @@ impl SlotDecoder {
         }
     }
 
+    /// Whether this step's planning forward leaves the last slot's tail for a second one
+    /// ([`DecodeParams::split_plan_from`]). The masks are causal in slot order, so the tail
+    /// changes no earlier draft or confidence, and the choice needs none of it: drafted only
+    /// when its slot is chosen. Not for a lone slot (always chosen), nor while drafting (every
+    /// draft is taken).
+    fn splits_plan(&self) -> bool {
+        let from = self.p.split_plan_from as usize;
+        from > 0 && self.k >= from && self.slots.len() >= 2 && !self.drafting
+    }
+
     /// 1. Planning forward over the remaining masks (with the rest of the prompt, first time).
     fn build_plan(&mut self) {
+        let tail = if self.splits_plan() { self.k - 1 } else { 0 };
+        let masks = self.slots.len() * self.k - tail;
         let b = &mut self.batch;
         b.clear();
         for (&t, &pos) in self.pending.iter().zip(&self.pending_pos) {
             b.push(t, pos, 0);
         }
-        for &s in &self.slots {
-            for j in 0..self.k as u32 {
-                b.push(self.p.mask_id, s + j, 0);
-            }
+        for i in 0..masks {
+            let (s, j) = (i / self.k, i % self.k);
+            b.push(self.p.mask_id, self.slots[s] + j as u32, 0);
         }
         b.logits_for = LogitsFor::Indices((self.pending.len()..b.len()).collect());
+    }
+
+    /// A split plan's second forward: the last slot's tail, after the first one's entries.
+    fn build_plan_tail(&mut self) {
+        let start = self.slots[self.slots.len() - 1];
+        let b = &mut self.batch;
+        b.clear();
+        for j in 1..self.k as u32 {
+            b.push(self.p.mask_id, start + j, 0);
+        }
     }
 
     fn after_plan(
@@ -299,50 +328,20 @@ impl SlotDecoder {
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
         let (k, n_slots) = (self.k, self.slots.len());
-        let n_pending = self.pending.len();
-        if n_pending > 0 {
-            // The prompt's (and known spans') KV stays; the masks' is dropped.
-            cache.truncate_rows(n_pending)?;
-            cache.commit_row(0)?;
-            self.cur_x.append(&mut self.pending);
-            self.cur_pos.append(&mut self.pending_pos);
-        } else {
-            cache.clear_rows()?;
-        }
-        let n_gen = n_slots * k;
-        let mut x0 = Vec::with_capacity(n_gen);
+        let masks = self.batch.len() - self.pending.len();
+        let mut x0 = Vec::with_capacity(n_slots * k);
         // Slot confidence: the probability of each slot's first token (the others' is never
         // used, so never computed: a softmax over the vocabulary each).
         let mut conf = Vec::with_capacity(n_slots);
         let mut first_lp = Vec::new();
-        let mut restricted = Vec::new();
-        for j in 0..n_gen {
-            let mut row = logits.row(j);
-            if j % k == 0 {
-                let pos = self.slots[j / k];
-                if let Some((_, admits)) = self.first_tokens.iter().find(|(p, _)| *p == pos) {
-                    row = restrict(row, admits, &mut restricted);
-                }
-            }
-            let tok = if self.p.temperature > 0.0 {
-                self.noise.sample(row, self.p.temperature)
-            } else {
-                argmax(row)
-            };
-            x0.push(tok as u32);
-            if j % k == 0 {
-                conf.push(prob(row, tok));
-                if let Some(top) = self.p.logprobs {
-                    first_lp.push(Some(logprob(row, tok, top as usize)));
-                }
-            }
-        }
-        on_event(Event::Planned {
-            slot_starts: &self.slots,
-            slot_size: k,
-            tokens: &x0,
-        });
+        self.draft(logits, 0, masks, &mut x0, &mut conf, &mut first_lp);
         if self.drafting {
+            self.drop_plan_entries(cache)?;
+            on_event(Event::Planned {
+                slot_starts: &self.slots,
+                slot_size: k,
+                tokens: &x0,
+            });
             if self.first_plan.is_none() {
                 self.first_plan = Some(FirstPlan {
                     slots: self.slots.clone(),
@@ -354,14 +353,112 @@ impl SlotDecoder {
             return Ok(());
         }
         let (chosen, counts_block) = self.choose(&conf);
-        self.phase = Phase::Verify(Planned {
+        let pl = Planned {
             x0,
             chosen,
             counts_block,
             fed: 0,
             first_lp,
+        };
+        if masks < n_slots * k {
+            if pl.chosen.last() == Some(&(n_slots - 1)) {
+                // The masks' entries stay for the tail's forward to see.
+                self.phase = Phase::PlanTail(pl);
+                return Ok(());
+            }
+            if self.p.temperature > 0.0 {
+                // The tail's draws, never made: every later one stays where it was.
+                self.noise.skip((k - 1) * logits.row(0).len());
+            }
+        }
+        self.end_plan(pl, cache, on_event)
+    }
+
+    /// A split plan's tail drafted: the plan is whole.
+    fn after_plan_tail(
+        &mut self,
+        mut pl: Planned,
+        logits: &LogitsRef<'_>,
+        cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        let (from, n) = (pl.x0.len(), self.k - 1);
+        let (mut no_conf, mut no_lp) = (Vec::new(), Vec::new());
+        self.draft(logits, from, n, &mut pl.x0, &mut no_conf, &mut no_lp);
+        self.end_plan(pl, cache, on_event)
+    }
+
+    /// The plan's masks leave the cache, its drafts are shown, and the chosen slots'
+    /// verification comes next.
+    fn end_plan(
+        &mut self,
+        mut pl: Planned,
+        cache: &mut SeqCache<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        self.drop_plan_entries(cache)?;
+        // Without a tail not drafted: the canvas does not redraw its cells.
+        on_event(Event::Planned {
+            slot_starts: &self.slots,
+            slot_size: self.k,
+            tokens: &pl.x0,
         });
+        // That tail as masks: its slot is not chosen, so nothing reads it.
+        pl.x0.resize(self.slots.len() * self.k, self.p.mask_id);
+        self.phase = Phase::Verify(pl);
         Ok(())
+    }
+
+    /// The prompt's (and known spans') entries of a planning forward stay; the masks' go.
+    fn drop_plan_entries(&mut self, cache: &mut SeqCache<'_>) -> Result<()> {
+        let n_pending = self.pending.len();
+        if n_pending > 0 {
+            cache.truncate_rows(n_pending)?;
+            cache.commit_row(0)?;
+            self.cur_x.append(&mut self.pending);
+            self.cur_pos.append(&mut self.pending_pos);
+        } else {
+            cache.clear_rows()?;
+        }
+        Ok(())
+    }
+
+    /// Drafts plan masks `from..from + n` (in slot order) from logits rows `0..n`: greedy, or
+    /// the reference's noise at a temperature; each slot's first token also gives the slot's
+    /// confidence (and with logprobs, its log-probability).
+    fn draft(
+        &mut self,
+        logits: &LogitsRef<'_>,
+        from: usize,
+        n: usize,
+        x0: &mut Vec<u32>,
+        conf: &mut Vec<f32>,
+        first_lp: &mut Vec<Option<TokenLogprob>>,
+    ) {
+        let k = self.k;
+        let mut restricted = Vec::new();
+        for i in 0..n {
+            let j = from + i;
+            let mut row = logits.row(i);
+            if j.is_multiple_of(k) {
+                let pos = self.slots[j / k];
+                if let Some((_, admits)) = self.first_tokens.iter().find(|(p, _)| *p == pos) {
+                    row = restrict(row, admits, &mut restricted);
+                }
+            }
+            let tok = if self.p.temperature > 0.0 {
+                self.noise.sample(row, self.p.temperature)
+            } else {
+                argmax(row)
+            };
+            x0.push(tok as u32);
+            if j.is_multiple_of(k) {
+                conf.push(prob(row, tok));
+                if let Some(top) = self.p.logprobs {
+                    first_lp.push(Some(logprob(row, tok, top as usize)));
+                }
+            }
+        }
     }
 
     /// A drafting decoder's step: the block's draft, up to each run's first EOS, waits to be
@@ -616,11 +713,18 @@ impl Strategy for SlotDecoder {
         matches!(self.phase, Phase::Done)
     }
 
+    /// After the first forward, but for a split first plan: its prompt entries stay private
+    /// until the tail's forward.
+    fn prompt_cached(&self) -> bool {
+        !matches!(self.phase, Phase::PlanTail(_))
+    }
+
     /// The next forward, or done.
     fn poll(&mut self, _on_event: &mut dyn FnMut(Event<'_>)) -> Result<Poll<'_>> {
         match &self.phase {
             Phase::Done => return Ok(Poll::Done),
             Phase::Plan => self.build_plan(),
+            Phase::PlanTail(_) => self.build_plan_tail(),
             Phase::Verify(pl) => {
                 let fed = (&self.pending[..pl.fed], &self.pending_pos[..pl.fed]);
                 build_verify(&mut self.batch, pl, &self.slots, self.k, fed);
@@ -660,11 +764,15 @@ impl Strategy for SlotDecoder {
         cache: &mut SeqCache<'_>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
-        self.forward_calls += 1;
         self.forward_tokens += self.batch.len();
         self.forward_sizes.push(self.batch.len() as u32);
+        if !matches!(self.phase, Phase::PlanTail(_)) {
+            // A split plan's second part is one forward of the reference's with its first.
+            self.forward_calls += 1;
+        }
         match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::Plan => self.after_plan(logits, cache, on_event),
+            Phase::PlanTail(pl) => self.after_plan_tail(pl, logits, cache, on_event),
             Phase::Verify(pl) => self.after_verify(pl, logits, cache, on_event),
             Phase::Draft(inf) => self.after_draft(inf, logits, cache, on_event),
             Phase::Recheck(inf) => self.after_recheck(inf, logits, cache, on_event),
